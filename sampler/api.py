@@ -1,0 +1,103 @@
+"""The engine interface that the service layer drives. Pure Python + numpy: no JAX here, so a fake engine
+with hand-computable outputs can stand in for the real one in service tests (JetStream's pattern)."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MAX_TOP_LOGPROBS = 20  # K: the server-wide logprob width computed on the device
+
+
+@dataclass(frozen=True)
+class SlotParams:
+    """Per-sample sampling and stopping parameters; traced as arrays on the device, never static."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class TokenOut:
+    """One sampled token on the host: `top_ids`/`top_logprobs` are [K], sorted by logprob descending."""
+
+    token_id: int
+    logprob: float
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    done: bool
+
+
+@dataclass
+class StepArrays:
+    """Host copy of one `generate` call: N fused steps over B slots.
+
+    ids, logprobs: [N, B]; top_ids, top_logprobs: [N, B, K]; valid: [N, B] (a real token for that slot at that
+    step); done: [N, B] (the slot finished on this token: a stop id or max_tokens reached).
+    """
+
+    ids: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    valid: np.ndarray
+    done: np.ndarray
+
+    def token(self, step: int, slot: int) -> TokenOut:
+        return TokenOut(
+            token_id=int(self.ids[step, slot]),
+            logprob=float(self.logprobs[step, slot]),
+            top_ids=self.top_ids[step, slot],
+            top_logprobs=self.top_logprobs[step, slot],
+            done=bool(self.done[step, slot]),
+        )
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens 1..L-1, each given its prefix (token 0 has none).
+
+    logprobs: [L-1]; top_ids, top_logprobs: [L-1, K]; entry j belongs to prompt token j+1.
+    """
+
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+class Engine(abc.ABC):
+    """prefill -> insert (per sample) -> generate (N steps, all slots) -> release."""
+
+    slots: int
+    max_seq_len: int
+    steps_per_call: int
+    vocab_size: int
+    top_k_width: int = MAX_TOP_LOGPROBS
+
+    @abc.abstractmethod
+    def prefill(self, tokens: list[int], want_prompt_logprobs: bool = False) -> Any:
+        """Run the prompt once; the returned prefix can be inserted into several slots (n samples)."""
+
+    @abc.abstractmethod
+    def prompt_logprobs(self, prefix: Any) -> PromptLogprobs | None:
+        """Prompt logprobs of a prefix made with want_prompt_logprobs=True, else None."""
+
+    @abc.abstractmethod
+    def insert(self, prefix: Any, slot: int, params: SlotParams) -> TokenOut:
+        """Put a prefix into a free slot and sample its first token with the slot's parameters."""
+
+    @abc.abstractmethod
+    def generate(self) -> StepArrays:
+        """N fused decode steps for every active slot."""
+
+    @abc.abstractmethod
+    def release(self, slot: int) -> None:
+        """Free a slot (finished or cancelled); it takes no part in the next generate call."""
