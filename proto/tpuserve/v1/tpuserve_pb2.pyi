@@ -105,14 +105,18 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[_Union[LogprobOptions, _Mapping]] = ..., n: _Optional[int] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
-    __slots__ = ("token_id", "token_bytes", "logprob")
+    __slots__ = ("token_id", "token_bytes", "logprob", "special_text", "special")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_TEXT_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     token_bytes: bytes
     logprob: float
-    def __init__(self, token_id: _Optional[int] = ..., token_bytes: _Optional[bytes] = ..., logprob: _Optional[float] = ...) -> None: ...
+    special_text: str
+    special: bool
+    def __init__(self, token_id: _Optional[int] = ..., token_bytes: _Optional[bytes] = ..., logprob: _Optional[float] = ..., special_text: _Optional[str] = ..., special: _Optional[bool] = ...) -> None: ...
 
 class Token(_message.Message):
     __slots__ = ("index", "token_id", "token_bytes", "special_text", "logprob", "special", "top_logprobs")
