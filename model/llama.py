@@ -1,0 +1,173 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) as a Flax NNX module.
+
+Weights of the decoder blocks are stacked along a leading layer axis and the blocks run under `lax.scan`, so a
+30-layer model compiles one block. Parameter names and layouts (`x @ w`, w: [in, out]):
+
+  embed [V, H]; final_norm [H]; lm_head [H, V] (absent when tied to embed)
+  stacked over layers L: attn_norm [L, H]; wq [L, H, Hq*D]; wk, wv [L, H, Hkv*D]; bq [L, Hq*D]; bk, bv [L, Hkv*D]
+  (biases only with attention_bias); wo [L, Hq*D, H]; mlp_norm [L, H]; w_gate, w_up [L, H, I]; w_down [L, I, H]
+
+KV cache: `KVCache(k, v)`, each [L, B, S, Hkv, D]: layer, batch slot, position, kv head, head dim. A token at
+position p of slot b is written at [:, b, p]. Attention reads only the first `attend_len` positions (a static
+bucket >= the longest live sequence), so a long capacity S costs nothing until it is used. Entries past a
+sequence's length are stale or garbage and are masked by position (key position <= query position).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tpuserve.model.config import ModelConfig, rope_inv_freq
+
+LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+# Logical axes of each parameter: sharding rules map these names to mesh axes (tpuserve.model.sharding).
+PARAM_AXES: dict[str, tuple[str | None, ...]] = {
+    "embed": ("vocab", "embed"),
+    "final_norm": ("embed",),
+    "lm_head": ("embed", "vocab"),
+    "attn_norm": ("layers", "embed"),
+    "wq": ("layers", "embed", "heads"),
+    "wk": ("layers", "embed", "kv_heads"),
+    "wv": ("layers", "embed", "kv_heads"),
+    "bq": ("layers", "heads"),
+    "bk": ("layers", "kv_heads"),
+    "bv": ("layers", "kv_heads"),
+    "wo": ("layers", "heads", "embed"),
+    "mlp_norm": ("layers", "embed"),
+    "w_gate": ("layers", "embed", "mlp"),
+    "w_up": ("layers", "embed", "mlp"),
+    "w_down": ("layers", "mlp", "embed"),
+}
+CACHE_AXES = ("layers", "batch", "sequence", "kv_heads", None)
+
+
+class KVCache(NamedTuple):
+    k: jax.Array  # [L, B, S, Hkv, D]
+    v: jax.Array  # [L, B, S, Hkv, D]
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {
+        "embed": (V, H), "final_norm": (H,),
+        "attn_norm": (L, H), "wq": (L, H, q), "wk": (L, H, kv), "wv": (L, H, kv), "wo": (L, q, H),
+        "mlp_norm": (L, H), "w_gate": (L, H, I), "w_up": (L, H, I), "w_down": (L, I, H),
+    }  # fmt: skip
+    if cfg.attention_bias:
+        shapes.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (H, V)
+    return shapes
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> int:
+    return 2 * cfg.num_layers * batch * max_len * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return w * x32.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding, half-split convention as in transformers. x: [B, T, heads, D]; positions: [B, T]."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+class Llama(nnx.Module):
+    """Decoder with stacked block weights. `params` maps the names above to arrays of `param_shapes(cfg)`."""
+
+    def __init__(self, cfg: ModelConfig, params: dict[str, jax.Array]):
+        self.cfg = cfg
+        expected = param_shapes(cfg)
+        missing = sorted(set(expected) - set(params))
+        if missing:
+            raise ValueError(f"missing parameters: {', '.join(missing)}")
+        for name, shape in expected.items():
+            if tuple(params[name].shape) != shape:
+                raise ValueError(f"parameter {name}: shape {tuple(params[name].shape)}, expected {shape}")
+            setattr(self, name, nnx.Param(params[name]))
+        self.inv_freq = nnx.Variable(jnp.asarray(np.array(rope_inv_freq(cfg), np.float32)))
+
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array, cache: KVCache, attend_len: int
+    ) -> tuple[jax.Array, KVCache]:
+        """tokens, positions: [B, T] int32 (contiguous positions per row); cache: rows B of the cache.
+
+        Writes the T new keys/values at their positions, attends over the first `attend_len` (static) cached
+        positions, and returns the final hidden states [B, T, H] (apply `logits` where needed) and the cache.
+        """
+        cfg = self.cfg
+        B, T = tokens.shape
+        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        x = jnp.take(self.embed.value, tokens, axis=0)
+        inv_freq = self.inv_freq.value
+        rows = jnp.arange(B)[:, None]
+        key_pos = jnp.arange(attend_len)
+        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, A]
+        layer_params = {n: getattr(self, n).value for n in LAYER_PARAMS if hasattr(self, n)}
+
+        def block(carry, p):
+            x, k_cache, v_cache, li = carry
+            h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+            q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+            if cfg.attention_bias:
+                q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+            q = rope(q.reshape(B, T, Hq, D), positions, inv_freq)
+            k = rope(k.reshape(B, T, Hkv, D), positions, inv_freq)
+            v = v.reshape(B, T, Hkv, D)
+            k_cache = k_cache.at[li, rows, positions].set(k.astype(k_cache.dtype), mode="drop")
+            v_cache = v_cache.at[li, rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+            keys = jax.lax.dynamic_slice_in_dim(k_cache[li], 0, attend_len, axis=1)  # [B, A, Hkv, D]
+            vals = jax.lax.dynamic_slice_in_dim(v_cache[li], 0, attend_len, axis=1)
+            qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
+            scores = jnp.einsum("btkgd,bakd->bkgta", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+            scores = scores * (1.0 / np.sqrt(D))
+            scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+            probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+            attn = jnp.einsum("bkgta,bakd->btkgd", probs, vals.astype(q.dtype)).reshape(B, T, Hq * D)
+            x = x + attn @ p["wo"]
+            h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+            x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+            return (x, k_cache, v_cache, li + 1), None
+
+        (x, k_cache, v_cache, _), _ = jax.lax.scan(block, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
+        x = rms_norm(x, self.final_norm.value, cfg.rms_norm_eps)
+        return x, KVCache(k_cache, v_cache)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden: [..., H] -> fp32 logits [..., V]."""
+        if self.cfg.tie_word_embeddings:
+            w = self.embed.value
+            return jnp.einsum("...h,vh->...v", hidden, w, preferred_element_type=jnp.float32)
+        return jnp.einsum("...h,hv->...v", hidden, self.lm_head.value, preferred_element_type=jnp.float32)
+
+
+def random_params(cfg: ModelConfig, seed: int = 0, dtype: jnp.dtype = jnp.float32) -> dict[str, jax.Array]:
+    """Random weights (tests, benchmarks): normal(0, 0.02) matrices, ones for norms."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith("norm"):
+            out[name] = jnp.ones(shape, dtype)
+        else:
+            out[name] = jnp.asarray(rng.normal(0, 0.02, shape).astype(np.float32), dtype)
+    return out

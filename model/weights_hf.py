@@ -1,0 +1,89 @@
+"""Hugging Face safetensors directories (single file or sharded with model.safetensors.index.json)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Callable
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from tpuserve.model.config import ModelConfig, ModelLoadError
+from tpuserve.model.weights_stack import LayerStacker
+
+# transformers name (after "model.layers.{i}.") -> (our name, transpose)
+_LAYER_MAP = {
+    "input_layernorm.weight": ("attn_norm", False),
+    "self_attn.q_proj.weight": ("wq", True),
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.q_proj.bias": ("bq", False),
+    "self_attn.k_proj.bias": ("bk", False),
+    "self_attn.v_proj.bias": ("bv", False),
+    "self_attn.o_proj.weight": ("wo", True),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+}
+_TOP_MAP = {
+    "model.embed_tokens.weight": ("embed", False),
+    "model.norm.weight": ("final_norm", False),
+    "lm_head.weight": ("lm_head", True),
+}
+
+
+def safetensors_files(directory: pathlib.Path) -> list[pathlib.Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from None
+        files = [directory / f for f in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{directory}: no *.safetensors weights found")
+    for f in files:
+        if not f.is_file():
+            raise ModelLoadError(f"{f}: listed in the safetensors index but missing")
+    return files
+
+
+def load_hf_weights(
+    directory: pathlib.Path, cfg: ModelConfig, cast: Callable[[str, np.ndarray], object]
+) -> dict[str, object]:
+    """Read every tensor, map it to our names/layouts, stack the blocks, cast (and place) each parameter."""
+    stacker = LayerStacker(cfg, cast)
+    files = safetensors_files(directory)
+    with tqdm(desc=f"loading {directory.name}", unit="tensor", disable=None) as bar:
+        for f in files:
+            try:
+                with safe_open(str(f), framework="numpy") as st:
+                    for key in st.keys():
+                        _add(stacker, key, st.get_tensor(key), f)
+                        bar.update()
+            except SafetensorError as e:
+                raise ModelLoadError(f"{f}: not a readable safetensors file ({e})") from None
+    if cfg.tie_word_embeddings:
+        stacker.top.pop("lm_head", None)
+    return stacker.finish(str(directory))
+
+
+def _add(stacker: LayerStacker, key: str, tensor: np.ndarray, file: pathlib.Path) -> None:
+    if key.startswith("model.layers."):
+        _, _, idx, rest = key.split(".", 3)
+        if rest not in _LAYER_MAP:
+            if rest.endswith("rotary_emb.inv_freq"):
+                return
+            raise ModelLoadError(f"{file}: unexpected tensor {key}")
+        name, transpose = _LAYER_MAP[rest]
+        stacker.add_layer(int(idx), name, tensor.T if transpose else tensor)
+    elif key in _TOP_MAP:
+        name, transpose = _TOP_MAP[key]
+        stacker.add_top(name, tensor.T if transpose else tensor)
+    else:
+        raise ModelLoadError(f"{file}: unexpected tensor {key}")

@@ -1,0 +1,73 @@
+"""Tiny random Llama-family checkpoints written by transformers: our logits vs PyTorch, from safetensors and
+after a round trip through Orbax."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax.numpy as jnp  # noqa: E402
+
+from tpuserve.model import checkpoint  # noqa: E402
+from tpuserve.model.llama import Llama, init_cache  # noqa: E402
+from tpuserve.model.loader import convert, load_model  # noqa: E402
+
+BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
+
+VARIANTS = {
+    "llama-tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True)),
+    "llama-untied-llama3rope": (transformers.LlamaConfig, dict(tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE)),
+    "qwen2-bias": (transformers.Qwen2Config, dict(tie_word_embeddings=False)),
+    "mistral": (transformers.MistralConfig, dict(tie_word_embeddings=False, sliding_window=None)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def hf_model_dir(request, tmp_path_factory):
+    config_cls, extra = VARIANTS[request.param]
+    cfg = config_cls(**BASE, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # random (not zero) biases and norms, so every parameter matters
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    out = tmp_path_factory.mktemp(request.param)
+    # a small shard size forces the sharded layout with model.safetensors.index.json
+    model.save_pretrained(out, max_shard_size="40KB" if request.param == "qwen2-bias" else "1GB")
+    return request.param, out, model
+
+
+def reference_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def our_logits(loaded, ids: list[int]) -> np.ndarray:
+    m = Llama(loaded.config, loaded.params)
+    T = len(ids)
+    hidden, _ = m(jnp.asarray([ids]), jnp.arange(T)[None], init_cache(loaded.config, 1, T), T)
+    return np.asarray(m.logits(hidden[0]))
+
+
+def test_logits_match_transformers_from_safetensors_and_orbax(hf_model_dir, tmp_path):
+    name, path, model = hf_model_dir
+    ids = list(np.random.default_rng(1).integers(0, BASE["vocab_size"], size=40))
+    ref = reference_logits(model, ids)
+    loaded = load_model(path, with_tokenizer=False)
+    assert loaded.config.architecture == name.split("-")[0]
+    if name == "qwen2-bias":
+        assert (path / "model.safetensors.index.json").exists() and loaded.config.attention_bias
+    assert np.abs(our_logits(loaded, ids) - ref).max() < 1e-4
+
+    convert(path, tmp_path / "ckpt", with_tokenizer=False)
+    assert checkpoint.is_checkpoint(tmp_path / "ckpt")
+    restored = load_model(tmp_path / "ckpt", with_tokenizer=False)
+    assert restored.config == loaded.config
+    assert np.abs(our_logits(restored, ids) - ref).max() < 1e-4
