@@ -1,0 +1,152 @@
+"""A fake Engine with hand-computable outputs, for driving the orchestrator and the gRPC service.
+
+Sample tokens come from `script(prompt, seed)` (a list of ids, EOS after its end); by default token j of a sample
+is `pool[(seed + j) % len(pool)]`. Logprob of generated token j: -0.25 * (j % 4 + 1); alternative k (k = 0 is the
+sampled token): id (token + k) % vocab, logprob `logprob - k / 2`. Prompt token j (j >= 1): logprob -j / 8,
+alternative k: id (token + k) % vocab, logprob -j / 8 - k / 2.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tpuserve.sampler.api import MAX_TOP_LOGPROBS, Engine, PromptLogprobs, SlotParams, StepArrays, TokenOut
+
+K = MAX_TOP_LOGPROBS
+
+
+def token_logprob(j: int) -> float:
+    return -0.25 * (j % 4 + 1)
+
+
+def prompt_logprob(j: int) -> float:
+    return -j / 8
+
+
+@dataclass
+class _Slot:
+    tokens: list[int]
+    params: SlotParams
+    prompt_len: int
+    generated: int = 0
+    done: bool = False
+
+
+class FakeEngine(Engine):
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_id: int,
+        pool: Sequence[int] = (1, 2, 3),
+        slots: int = 8,
+        max_seq_len: int = 512,
+        steps_per_call: int = 4,
+        script: Callable[[tuple[int, ...], int], Sequence[int]] | None = None,
+        delay_s: float = 0.0,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.slots = slots
+        self.max_seq_len = max_seq_len
+        self.steps_per_call = steps_per_call
+        self.eos_id = eos_id
+        self.pool = list(pool)
+        self.script = script
+        self.delay_s = delay_s
+        self.gate: threading.Event | None = None  # when set up, generate() waits for it
+        self.fail_prefill: Callable[[list[int]], bool] = lambda tokens: False
+        self.fail_generate = False
+        self.prefills: list[list[int]] = []
+        self.inserts: list[tuple[int, SlotParams]] = []
+        self.releases: list[int] = []
+        self.generate_calls = 0
+        self._active: dict[int, _Slot] = {}
+
+    # ---- hand-computable outputs -----------------------------------------------------------------------
+
+    def continuation(self, prompt: tuple[int, ...], seed: int) -> list[int]:
+        if self.script is not None:
+            return list(self.script(prompt, seed))
+        return [self.pool[(seed + j) % len(self.pool)] for j in range(self.max_seq_len)]
+
+    def _token_out(self, slot: _Slot) -> TokenOut:
+        j = slot.generated
+        tid = slot.tokens[j] if j < len(slot.tokens) else self.eos_id
+        lp = token_logprob(j)
+        slot.generated += 1
+        slot.done = (
+            tid in slot.params.stop_ids
+            or slot.generated >= slot.params.max_tokens
+            or slot.prompt_len + slot.generated >= self.max_seq_len
+        )
+        top_ids = (tid + np.arange(K)) % self.vocab_size
+        top_lps = lp - np.arange(K) / 2
+        return TokenOut(tid, lp, top_ids.astype(np.int32), top_lps.astype(np.float32), slot.done)
+
+    # ---- Engine ---------------------------------------------------------------------------------------
+
+    def prefill(self, tokens: list[int], want_prompt_logprobs: bool = False) -> tuple[tuple[int, ...], bool]:
+        self.prefills.append(list(tokens))
+        if self.fail_prefill(tokens):
+            raise RuntimeError("fake prefill failure")
+        return tuple(tokens), want_prompt_logprobs
+
+    def prompt_logprobs(self, prefix: tuple[tuple[int, ...], bool]) -> PromptLogprobs | None:
+        tokens, wanted = prefix
+        if not wanted:
+            return None
+        rows = range(1, len(tokens))
+        lps = np.array([prompt_logprob(j) for j in rows], np.float32)
+        top_ids = np.array([(tokens[j] + np.arange(K)) % self.vocab_size for j in rows], np.int32).reshape(
+            -1, K
+        )
+        top_lps = (lps[:, None] - np.arange(K)[None, :] / 2).astype(np.float32)
+        return PromptLogprobs(lps, top_ids, top_lps)
+
+    def insert(self, prefix: tuple[tuple[int, ...], bool], slot: int, params: SlotParams) -> TokenOut:
+        assert slot not in self._active, f"slot {slot} inserted while still active"
+        assert 0 <= slot < self.slots
+        tokens, _ = prefix
+        state = _Slot(self.continuation(tokens, params.seed), params, len(tokens))
+        self._active[slot] = state
+        self.inserts.append((slot, params))
+        return self._token_out(state)
+
+    def generate(self) -> StepArrays:
+        if self.gate is not None:
+            self.gate.wait(30)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.fail_generate:
+            raise RuntimeError("fake generate failure")
+        self.generate_calls += 1
+        n, b = self.steps_per_call, self.slots
+        out = StepArrays(
+            ids=np.zeros((n, b), np.int32),
+            logprobs=np.zeros((n, b), np.float32),
+            top_ids=np.zeros((n, b, K), np.int32),
+            top_logprobs=np.zeros((n, b, K), np.float32),
+            valid=np.zeros((n, b), bool),
+            done=np.zeros((n, b), bool),
+        )
+        for step in range(n):
+            for slot, state in self._active.items():
+                if state.done:
+                    continue
+                tok = self._token_out(state)
+                out.ids[step, slot], out.logprobs[step, slot] = tok.token_id, tok.logprob
+                out.top_ids[step, slot], out.top_logprobs[step, slot] = tok.top_ids, tok.top_logprobs
+                out.valid[step, slot], out.done[step, slot] = True, tok.done
+        return out
+
+    def release(self, slot: int) -> None:
+        self.releases.append(slot)
+        self._active.pop(slot, None)
+
+    @property
+    def active_slots(self) -> list[int]:
+        return sorted(self._active)

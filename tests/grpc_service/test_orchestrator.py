@@ -1,0 +1,220 @@
+"""The engine thread, driven by the fake engine over a hand-made byte table (no gRPC)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from tests.grpc_service.fake_engine import FakeEngine, token_logprob
+from tpuserve.grpc_service.jobs import ErrorEvent, Finish, GenerationJob, PromptEvent, SampleEvent
+from tpuserve.grpc_service.orchestrator import Orchestrator, QueueFullError
+from tpuserve.sampler.api import SlotParams
+
+EOS = 0
+TABLE = [b"", b"a", b"b", b"c", b" ", b"\xe4\xb8", b"\x96", b"\n"]
+VOCAB = len(TABLE)
+
+
+def make(engine: FakeEngine, **kw) -> Orchestrator:
+    orch = Orchestrator(engine, TABLE, frozenset({EOS}), idle_wait_s=0.05, **kw)
+    orch.start()
+    return orch
+
+
+def job(
+    prompt=(1, 2), n=1, max_tokens=5, seed=0, stop=(), stop_ids=(), eos=True, plp=False, **kw
+) -> GenerationJob:
+    eos_ids = frozenset({EOS}) if eos else frozenset()
+    stop_all = tuple(sorted(eos_ids | set(stop_ids)))
+    samples = tuple(SlotParams(max_tokens=max_tokens, seed=seed + i, stop_ids=stop_all) for i in range(n))
+    return GenerationJob(
+        "r",
+        tuple(prompt),
+        samples,
+        stop=tuple(stop),
+        stop_token_ids=frozenset(stop_ids),
+        eos_ids=eos_ids,
+        prompt_logprobs=plp,
+        **kw,
+    )
+
+
+async def collect(orch: Orchestrator, j: GenerationJob) -> list:
+    return [e async for e in orch.submit(j).events()]
+
+
+def samples(events) -> dict[int, list[SampleEvent]]:
+    out: dict[int, list[SampleEvent]] = {}
+    for e in events:
+        if isinstance(e, SampleEvent):
+            out.setdefault(e.index, []).append(e)
+    return out
+
+
+def test_tokens_text_and_length_finish():
+    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3])
+    orch = make(engine)
+    try:
+        events = asyncio.run(collect(orch, job(max_tokens=5)))
+    finally:
+        orch.close()
+    s = samples(events)[0]
+    tokens = [t for e in s for t in e.tokens]
+    assert [t.token_id for t in tokens] == [1, 2, 3, 1, 2]
+    assert [t.logprob for t in tokens] == [token_logprob(j) for j in range(5)]
+    assert "".join(e.text for e in s) == "abcab"
+    assert s[-1].finish is Finish.LENGTH and s[-1].completion_tokens == 5
+    assert engine.releases == [0] and orch.free_slots == engine.slots
+
+
+def test_n_samples_get_consecutive_seeds():
+    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3])
+    orch = make(engine)
+    try:
+        events = asyncio.run(collect(orch, job(n=3, seed=7, max_tokens=3)))
+    finally:
+        orch.close()
+    assert len(engine.prefills) == 1
+    assert sorted(p.seed for _, p in engine.inserts) == [7, 8, 9]
+    texts = {i: "".join(e.text for e in evs) for i, evs in samples(events).items()}
+    assert texts == {0: "bca", 1: "cab", 2: "abc"}  # pool[(seed + j) % 3]
+    assert sorted(engine.releases) == [0, 1, 2]
+
+
+def test_eos_is_the_last_token_and_counted():
+    engine = FakeEngine(VOCAB, EOS, script=lambda p, s: [1, 5, 6])
+    orch = make(engine)
+    try:
+        s = samples(asyncio.run(collect(orch, job(max_tokens=50))))[0]
+    finally:
+        orch.close()
+    assert [t.token_id for e in s for t in e.tokens] == [1, 5, 6, EOS]
+    assert "".join(e.text for e in s) == "a\u4e16"
+    assert s[-1].finish is Finish.EOS and s[-1].completion_tokens == 4
+
+
+def test_ignore_eos_runs_to_length():
+    engine = FakeEngine(VOCAB, EOS, script=lambda p, s: [1])
+    orch = make(engine)
+    try:
+        s = samples(asyncio.run(collect(orch, job(max_tokens=4, eos=False))))[0]
+    finally:
+        orch.close()
+    assert [t.token_id for e in s for t in e.tokens] == [1, EOS, EOS, EOS]
+    assert s[-1].finish is Finish.LENGTH
+
+
+def test_stop_string_and_stop_token_id():
+    engine = FakeEngine(VOCAB, EOS, script=lambda p, s: [1, 2, 7, 3, 3, 3])
+    orch = make(engine)
+    try:
+        by_string = samples(asyncio.run(collect(orch, job(max_tokens=50, stop=["b\nc"]))))[0]
+        by_id = samples(asyncio.run(collect(orch, job(max_tokens=50, stop_ids=[7]))))[0]
+    finally:
+        orch.close()
+    assert "".join(e.text for e in by_string) == "a"
+    assert [t.token_id for e in by_string for t in e.tokens] == [1]
+    assert by_string[-1].finish is Finish.STOP and by_string[-1].stop_reason == "b\nc"
+    assert by_string[-1].completion_tokens == 1
+    assert "".join(e.text for e in by_id) == "ab"  # the stop token's text is not part of the text
+    assert [t.token_id for e in by_id for t in e.tokens] == [1, 2, 7]
+    assert by_id[-1].finish is Finish.STOP and by_id[-1].stop_token_id == 7
+    assert engine.active_slots == [] and orch.free_slots == engine.slots
+
+
+def test_max_tokens_zero_scores_the_prompt_without_a_slot():
+    engine = FakeEngine(VOCAB, EOS)
+    orch = make(engine)
+    try:
+        events = asyncio.run(collect(orch, job(prompt=(1, 2, 3), max_tokens=0, plp=True)))
+    finally:
+        orch.close()
+    assert isinstance(events[0], PromptEvent)
+    assert events[0].logprobs.logprobs.tolist() == [-0.125, -0.25]
+    assert events[0].logprobs.top_ids[:, 0].tolist() == [2, 3]
+    (last,) = samples(events)[0]
+    assert last.finish is Finish.LENGTH and last.tokens == [] and last.completion_tokens == 0
+    assert engine.inserts == []
+
+
+def test_requests_wait_for_free_slots():
+    engine = FakeEngine(VOCAB, EOS, slots=2)
+    orch = make(engine)
+
+    async def main():
+        return await asyncio.gather(
+            *(collect(orch, job(n=2 if i % 2 else 1, max_tokens=9)) for i in range(5))
+        )
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        orch.close()
+    for events in results:
+        for evs in samples(events).values():
+            assert evs[-1].finish is Finish.LENGTH and evs[-1].completion_tokens == 9
+    assert len(engine.inserts) == 7 and sorted(set(engine.releases)) == [0, 1]
+
+
+def test_cancel_releases_slots_before_the_next_generate():
+    engine = FakeEngine(VOCAB, EOS, slots=4, delay_s=0.002)
+    orch = make(engine)
+
+    async def main():
+        streams = [orch.submit(job(n=2, max_tokens=400)) for _ in range(2)]
+        firsts = [await s.events().__anext__() for s in streams]
+        for s in streams:
+            orch.cancel(s)
+        await asyncio.sleep(0.1)
+        return firsts, await collect(orch, job(max_tokens=3))
+
+    try:
+        firsts, after = asyncio.run(main())
+    finally:
+        orch.close()
+    assert all(isinstance(e, SampleEvent) and e.finish is None for e in firsts)
+    assert sorted(engine.releases[:4]) == [0, 1, 2, 3]
+    assert samples(after)[0][-1].finish is Finish.LENGTH
+    assert engine.active_slots == [] and orch.free_slots == 4
+
+
+def test_queue_full():
+    engine = FakeEngine(VOCAB, EOS, slots=1)
+    engine.gate = threading.Event()
+    orch = make(engine, max_queue=2)
+
+    async def main():
+        running = orch.submit(job(max_tokens=3))
+        while orch.free_slots:  # the first request has taken the only slot
+            await asyncio.sleep(0.01)
+        queued = [orch.submit(job(max_tokens=3)) for _ in range(2)]
+        with pytest.raises(QueueFullError, match="capacity"):
+            orch.submit(job(max_tokens=3))
+        engine.gate.set()
+        return [[e async for e in s.events()] for s in [running, *queued]]
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        orch.close()
+    assert all(samples(r)[0][-1].finish is Finish.LENGTH for r in results)
+
+
+def test_engine_errors_fail_requests_and_serving_continues():
+    engine = FakeEngine(VOCAB, EOS)
+    engine.fail_prefill = lambda tokens: tokens[0] == 3
+    orch = make(engine)
+    try:
+        bad = asyncio.run(collect(orch, job(prompt=(3,))))
+        assert isinstance(bad[-1], ErrorEvent) and "prefill" in bad[-1].message
+        engine.fail_generate = True
+        failed = asyncio.run(collect(orch, job(n=2, max_tokens=20)))
+        assert isinstance(failed[-1], ErrorEvent) and "generate" in failed[-1].message
+        assert orch.free_slots == engine.slots
+        engine.fail_generate = False
+        ok = asyncio.run(collect(orch, job(max_tokens=2)))
+    finally:
+        orch.close()
+    assert samples(ok)[0][-1].finish is Finish.LENGTH
