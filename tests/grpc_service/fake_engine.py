@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
 from tpuserve.sampler.api import MAX_TOP_LOGPROBS, Engine, PromptLogprobs, SlotParams, StepArrays, TokenOut
 
 K = MAX_TOP_LOGPROBS

@@ -6,11 +6,11 @@ import asyncio
 import threading
 
 import pytest
-
-from tests.grpc_service.fake_engine import FakeEngine, token_logprob
 from tpuserve.grpc_service.jobs import ErrorEvent, Finish, GenerationJob, PromptEvent, SampleEvent
 from tpuserve.grpc_service.orchestrator import Orchestrator, QueueFullError
 from tpuserve.sampler.api import SlotParams
+
+from tests.grpc_service.fake_engine import FakeEngine, token_logprob
 
 EOS = 0
 TABLE = [b"", b"a", b"b", b"c", b" ", b"\xe4\xb8", b"\x96", b"\n"]
