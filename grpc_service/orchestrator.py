@@ -144,6 +144,11 @@ class Orchestrator:
     def free_slots(self) -> int:
         return len(self._free)
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting in the admission queue (approximate, for metrics and tests)."""
+        return self._queue.qsize() + (self._head is not None)
+
     # ---- the engine thread ----------------------------------------------------------------------------
 
     def _main(

@@ -1,7 +1,7 @@
 """A fake Engine with hand-computable outputs, for driving the orchestrator and the gRPC service.
 
-Sample tokens come from `script(prompt, seed)` (a list of ids, EOS after its end); by default token j of a sample
-is `pool[(seed + j) % len(pool)]`. Logprob of generated token j: -0.25 * (j % 4 + 1); alternative k (k = 0 is the
+Sample tokens come from `scripts[prompt]` or `script(prompt, seed)` (a list of ids, EOS after its end); by
+default token j of a sample is `pool[(seed + j) % len(pool)]`. Logprob of generated token j: -0.25 * (j % 4 + 1); alternative k (k = 0 is the
 sampled token): id (token + k) % vocab, logprob `logprob - k / 2`. Prompt token j (j >= 1): logprob -j / 8,
 alternative k: id (token + k) % vocab, logprob -j / 8 - k / 2.
 """
@@ -55,6 +55,7 @@ class FakeEngine(Engine):
         self.eos_id = eos_id
         self.pool = list(pool)
         self.script = script
+        self.scripts: dict[tuple[int, ...], list[int]] = {}  # prompt -> the tokens every sample generates
         self.delay_s = delay_s
         self.gate: threading.Event | None = None  # when set up, generate() waits for it
         self.fail_prefill: Callable[[list[int]], bool] = lambda tokens: False
@@ -68,6 +69,8 @@ class FakeEngine(Engine):
     # ---- hand-computable outputs -----------------------------------------------------------------------
 
     def continuation(self, prompt: tuple[int, ...], seed: int) -> list[int]:
+        if tuple(prompt) in self.scripts:
+            return list(self.scripts[tuple(prompt)])
         if self.script is not None:
             return list(self.script(prompt, seed))
         return [self.pool[(seed + j) % len(self.pool)] for j in range(self.max_seq_len)]
@@ -149,3 +152,9 @@ class FakeEngine(Engine):
     @property
     def active_slots(self) -> list[int]:
         return sorted(self._active)
+
+
+def make_engine(tokenizer, **kw) -> FakeEngine:
+    """A fake engine over a real tokenizer's ids: it writes " the quick brown fox ..." from a seed-dependent start."""
+    pool = tokenizer.encode(" the quick brown fox jumps over the lazy dog.", add_special_tokens=False)
+    return FakeEngine(tokenizer.vocab_size, tokenizer.eos_ids[0], pool=pool, **kw)

@@ -1,0 +1,165 @@
+"""tpuserve.v1.TextGeneration: validate, queue into the orchestrator, stream tokens; tokenizer RPCs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+from tpuserve.grpc_service.convert import TokenConverter
+from tpuserve.grpc_service.jobs import ErrorEvent, Finish, PromptEvent, SampleEvent
+from tpuserve.grpc_service.orchestrator import Orchestrator, QueueFullError, RequestStream, ShuttingDownError
+from tpuserve.grpc_service.validation import InvalidRequest, Limits, build_job, check_token_ids, render_chat
+from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
+from tpuserve.proto.tpuserve.v1 import tpuserve_pb2_grpc as pb_grpc
+from tpuserve.sampler.api import Engine
+
+if TYPE_CHECKING:
+    from tpuserve.model.tokenizer import Tokenizer
+
+
+class TextGenerationServicer(pb_grpc.TextGenerationServicer):
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        tokenizer: Tokenizer,
+        model_id: str,
+        max_n: int | None = None,
+    ) -> None:
+        engine: Engine = orchestrator.engine
+        self.orchestrator = orchestrator
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.limits = Limits(
+            vocab_size=min(tokenizer.vocab_size, engine.vocab_size),
+            context_length=engine.max_seq_len,
+            max_n=min(max_n or 16, engine.slots),  # n > slots could never be admitted
+            max_top_logprobs=engine.top_k_width,
+        )
+        self.created = int(time.time())
+        self._open: set[RequestStream] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # ---- Generate -------------------------------------------------------------------------------------
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            job = build_job(request, self.tokenizer, self.limits, self.tokenizer.eos_ids)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            stream = self.orchestrator.submit(job)
+        except QueueFullError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ShuttingDownError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        convert = TokenConverter(self.tokenizer, request.logprobs.enabled, request.logprobs.top_logprobs)
+        prompt_len = len(job.prompt_ids)
+        sent = [0] * job.n  # tokens sent per sample: the next token's index
+        finished = [False] * job.n
+        self._open.add(stream)
+        self._idle.clear()
+        try:
+            async for event in stream.events():
+                if isinstance(event, PromptEvent):
+                    yield pb.GenerateResponse(
+                        request_id=job.request_id,
+                        index=0,
+                        prompt_tokens=convert.prompt(job.prompt_ids, event.logprobs),
+                        prompt_tokens_count=prompt_len,
+                    )
+                elif isinstance(event, SampleEvent):
+                    yield convert.response(job.request_id, event, sent[event.index], prompt_len)
+                    sent[event.index] += len(event.tokens)
+                    finished[event.index] = event.finish is not None
+                elif isinstance(event, ErrorEvent):
+                    for index in (i for i, done in enumerate(finished) if not done):
+                        failed = SampleEvent(index, finish=Finish.ERROR, error=event.message)
+                        failed.completion_tokens = sent[index]
+                        yield convert.response(job.request_id, failed, sent[index], prompt_len)
+                    finished = [True] * job.n
+                    await context.abort(grpc.StatusCode.INTERNAL, event.message)
+        finally:
+            if not all(finished):  # the client went away (cancel, deadline): free the slots
+                self.orchestrator.cancel(stream)
+            self._open.discard(stream)
+            if not self._open:
+                self._idle.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait for open Generate streams to end; after `timeout` cancel them (they end with CANCELLED)."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            for stream in list(self._open):
+                self.orchestrator.cancel(stream)
+            try:
+                await asyncio.wait_for(self._idle.wait(), 5.0)
+            except TimeoutError:
+                pass
+            return False
+
+    # ---- tokenizer RPCs -------------------------------------------------------------------------------
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        kind = request.WhichOneof("input")
+        try:
+            if kind == "text":
+                add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+                ids = self.tokenizer.encode(request.text, add_special_tokens=add)
+            elif kind == "chat":
+                ids = render_chat(self.tokenizer, request.chat, "chat")[1]
+            else:
+                raise InvalidRequest("input", "text or chat is required")
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.TokenizeResponse(token_ids=ids, token_bytes=[self.tokenizer.token_bytes[i] for i in ids])
+
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        ids = list(request.token_ids)
+        try:
+            check_token_ids(ids, self.limits.vocab_size, "token_ids")
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.DetokenizeResponse(
+            text=self.tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens)
+        )
+
+    async def RenderChat(
+        self, request: pb.RenderChatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RenderChatResponse:
+        try:
+            prompt, ids = render_chat(self.tokenizer, request.chat, "chat")
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.RenderChatResponse(prompt=prompt, token_ids=ids)
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        engine = self.orchestrator.engine
+        mesh = getattr(engine, "mesh", None)  # a jax.sharding.Mesh: .shape maps axis name -> size
+        shape = dict(mesh.shape) if mesh is not None else {}
+        return pb.ModelInfo(
+            model_id=self.model_id,
+            vocab_size=self.limits.vocab_size,
+            context_length=self.limits.context_length,
+            max_top_logprobs=self.limits.max_top_logprobs,
+            eos_token_ids=list(self.tokenizer.eos_ids),
+            dtype=str(getattr(engine, "dtype", None) or getattr(engine, "cache_dtype", None) or ""),
+            mesh_shape=[int(v) for v in shape.values()],
+            mesh_axes=[str(k) for k in shape],
+            slots=engine.slots,
+            max_n=self.limits.max_n,
+            created=self.created,
+        )

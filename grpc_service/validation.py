@@ -1,0 +1,167 @@
+"""GenerateRequest -> GenerationJob, or InvalidRequest naming the offending field."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tpuserve.grpc_service.jobs import GenerationJob
+from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
+from tpuserve.sampler.api import MAX_TOP_LOGPROBS, SlotParams
+
+if TYPE_CHECKING:
+    from tpuserve.model.tokenizer import Tokenizer
+
+SEED_MODULUS = 2**64
+
+
+class InvalidRequest(ValueError):
+    """A client error; the servicer answers INVALID_ARGUMENT with "<field>: <message>"."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int  # the tokenizer's ids are 0..vocab_size-1
+    context_length: int  # the engine's S: prompt + generated tokens
+    max_n: int
+    max_top_logprobs: int = MAX_TOP_LOGPROBS
+
+
+def chat_messages(chat: pb.ChatMessages) -> tuple[list[dict[str, str]], bool]:
+    """Messages as the tokenizer's `render_chat` takes them, and add_generation_prompt (default true)."""
+    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    return [{"role": m.role, "content": m.content} for m in chat.messages], add
+
+
+def render_chat(tokenizer: Tokenizer, chat: pb.ChatMessages, field: str) -> tuple[str, list[int]]:
+    messages, add = chat_messages(chat)
+    if not messages:
+        raise InvalidRequest(f"{field}.messages", "at least one message is required")
+    try:
+        return tokenizer.render_chat(messages, add_generation_prompt=add)
+    except ValueError as e:
+        raise InvalidRequest(field, str(e)) from None
+
+
+def check_token_ids(ids: list[int], vocab_size: int, field: str) -> None:
+    for position, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise InvalidRequest(
+                field, f"token id {token} at position {position} is outside the vocabulary [0, {vocab_size})"
+            )
+
+
+def prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        if not request.text:
+            raise InvalidRequest("prompt.text", "the prompt is empty")
+        add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        ids = tokenizer.encode(request.text, add_special_tokens=add)
+    elif kind == "token_ids":
+        ids = list(request.token_ids.ids)
+        if not ids:
+            raise InvalidRequest("prompt.token_ids", "the prompt is empty")
+        check_token_ids(ids, limits.vocab_size, "prompt.token_ids")
+    elif kind == "chat":
+        ids = render_chat(tokenizer, request.chat, "prompt.chat")[1]
+    else:
+        raise InvalidRequest("prompt", "a prompt is required: text, token_ids or chat")
+    if not ids:
+        raise InvalidRequest("prompt", "the prompt has no tokens")
+    if len(ids) > limits.context_length:
+        raise InvalidRequest(
+            "prompt",
+            f"the prompt has {len(ids)} tokens, more than the context length {limits.context_length}",
+        )
+    return ids
+
+
+def _sampling(s: pb.SamplingParams) -> dict[str, float | int]:
+    out: dict[str, float | int] = {}
+    if s.HasField("temperature"):
+        if not s.temperature >= 0 or math.isinf(s.temperature):
+            raise InvalidRequest("sampling.temperature", f"must be a number >= 0, got {s.temperature}")
+        out["temperature"] = s.temperature
+    if s.HasField("top_p"):
+        if not 0 < s.top_p <= 1:
+            raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
+        out["top_p"] = s.top_p
+    if s.HasField("top_k"):
+        if s.top_k < 0:
+            raise InvalidRequest("sampling.top_k", f"must be >= 0 (0 disables it), got {s.top_k}")
+        out["top_k"] = s.top_k
+    if s.HasField("min_p"):
+        if not 0 <= s.min_p <= 1:
+            raise InvalidRequest("sampling.min_p", f"must be in [0, 1], got {s.min_p}")
+        out["min_p"] = s.min_p
+    return out
+
+
+def _max_tokens(request: pb.GenerateRequest, prompt_len: int, limits: Limits) -> int:
+    stopping, room = request.stopping, limits.context_length - prompt_len
+    if not stopping.HasField("max_tokens"):
+        if room <= 0:
+            raise InvalidRequest(
+                "prompt",
+                f"the prompt has {prompt_len} tokens and fills the context length {limits.context_length}",
+            )
+        return room
+    m = stopping.max_tokens
+    if m < 0:
+        raise InvalidRequest("stopping.max_tokens", f"must be >= 0, got {m}")
+    if m == 0 and not request.logprobs.prompt_logprobs:
+        raise InvalidRequest(
+            "stopping.max_tokens", "0 is only allowed with logprobs.prompt_logprobs (scoring)"
+        )
+    if m > room:
+        raise InvalidRequest(
+            "stopping.max_tokens",
+            f"the prompt has {prompt_len} tokens and max_tokens is {m}: {prompt_len + m} exceeds the context "
+            f"length {limits.context_length}",
+        )
+    return m
+
+
+def build_job(
+    request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits, eos_ids: tuple[int, ...]
+) -> GenerationJob:
+    """Validate everything before the request takes a place in the queue."""
+    n = request.n or 1
+    if not 1 <= n <= limits.max_n:
+        raise InvalidRequest("n", f"must be in 1..{limits.max_n}, got {request.n}")
+    top = request.logprobs.top_logprobs
+    if not 0 <= top <= limits.max_top_logprobs:
+        raise InvalidRequest("logprobs.top_logprobs", f"must be in 0..{limits.max_top_logprobs}, got {top}")
+    sampling = _sampling(request.sampling)
+    stopping = request.stopping
+    if any(not s for s in stopping.stop):
+        raise InvalidRequest("stopping.stop", "stop strings must not be empty")
+    check_token_ids(list(stopping.stop_token_ids), limits.vocab_size, "stopping.stop_token_ids")
+    ids = prompt_ids(request, tokenizer, limits)
+    max_tokens = _max_tokens(request, len(ids), limits)
+
+    eos = frozenset() if stopping.ignore_eos else frozenset(eos_ids)
+    stop_ids = tuple(sorted(eos | set(stopping.stop_token_ids)))
+    seed = request.sampling.seed if request.sampling.HasField("seed") else secrets.randbits(63)
+    samples = tuple(
+        SlotParams(max_tokens=max_tokens, seed=(seed + i) % SEED_MODULUS, stop_ids=stop_ids, **sampling)
+        for i in range(n)
+    )
+    return GenerationJob(
+        request_id=request.request_id or uuid.uuid4().hex,
+        prompt_ids=tuple(ids),
+        samples=samples,
+        stop=tuple(stopping.stop),
+        include_stop_str=stopping.include_stop_str,
+        stop_token_ids=frozenset(stopping.stop_token_ids),
+        eos_ids=eos,
+        prompt_logprobs=request.logprobs.prompt_logprobs,
+    )

@@ -1,0 +1,88 @@
+"""Every invalid request is INVALID_ARGUMENT naming its field, before it takes a place in the queue."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
+
+from tests.grpc_service.conftest import generate
+
+S = 256  # the shared server's context length
+
+CASES = {
+    "no prompt": ({}, "prompt"),
+    "empty text": ({"text": ""}, "prompt.text"),
+    "empty ids": ({"token_ids": pb.TokenIds(ids=[])}, "prompt.token_ids"),
+    "id over vocab": ({"token_ids": pb.TokenIds(ids=[1, 49152])}, "prompt.token_ids"),
+    "negative id": ({"token_ids": pb.TokenIds(ids=[-1])}, "prompt.token_ids"),
+    "no chat messages": ({"chat": pb.ChatMessages()}, "prompt.chat.messages"),
+    "prompt over context": ({"token_ids": pb.TokenIds(ids=[5] * (S + 1))}, "prompt"),
+    "prompt fills context": ({"token_ids": pb.TokenIds(ids=[5] * S)}, "prompt"),
+    "prompt + max_tokens over context": (
+        {"token_ids": pb.TokenIds(ids=[5] * 200), "stopping": pb.StoppingCriteria(max_tokens=57)},
+        "stopping.max_tokens",
+    ),
+    "top_logprobs 21": (
+        {"logprobs": pb.LogprobOptions(enabled=True, top_logprobs=21)},
+        "logprobs.top_logprobs",
+    ),
+    "top_logprobs -1": (
+        {"logprobs": pb.LogprobOptions(enabled=True, top_logprobs=-1)},
+        "logprobs.top_logprobs",
+    ),
+    "temperature < 0": ({"sampling": pb.SamplingParams(temperature=-0.1)}, "sampling.temperature"),
+    "temperature nan": ({"sampling": pb.SamplingParams(temperature=float("nan"))}, "sampling.temperature"),
+    "top_p 0": ({"sampling": pb.SamplingParams(top_p=0.0)}, "sampling.top_p"),
+    "top_p > 1": ({"sampling": pb.SamplingParams(top_p=1.5)}, "sampling.top_p"),
+    "top_k < 0": ({"sampling": pb.SamplingParams(top_k=-1)}, "sampling.top_k"),
+    "min_p > 1": ({"sampling": pb.SamplingParams(min_p=2.0)}, "sampling.min_p"),
+    "n < 0": ({"n": -1}, "n"),
+    "n over max_n": ({"n": 17}, "n"),
+    "max_tokens < 0": ({"stopping": pb.StoppingCriteria(max_tokens=-1)}, "stopping.max_tokens"),
+    "max_tokens 0 without prompt logprobs": (
+        {"stopping": pb.StoppingCriteria(max_tokens=0)},
+        "stopping.max_tokens",
+    ),
+    "empty stop string": ({"stopping": pb.StoppingCriteria(stop=["a", ""])}, "stopping.stop"),
+    "stop id over vocab": (
+        {"stopping": pb.StoppingCriteria(stop_token_ids=[10**6])},
+        "stopping.stop_token_ids",
+    ),
+}
+
+
+@pytest.mark.parametrize("fields,field", CASES.values(), ids=CASES.keys())
+def test_invalid_request(served, fields, field):
+    if "prompt" not in field and not any(k in fields for k in ("text", "token_ids", "chat")):
+        fields = {"text": "hello", **fields}
+    before = len(served.engine.prefills)
+    with pytest.raises(grpc.RpcError) as info:
+        generate(served.stub, **fields)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(f"{field}: "), info.value.details()
+    assert len(served.engine.prefills) == before
+
+
+def test_limits_are_inclusive(served):
+    full = generate(
+        served.stub,
+        token_ids=pb.TokenIds(ids=[5] * 200),
+        stopping=pb.StoppingCriteria(max_tokens=56),
+        logprobs=pb.LogprobOptions(enabled=True, top_logprobs=20),
+        n=16,
+    )
+    assert sum(len(r.tokens) for r in full) == 16 * 56
+    scored = generate(
+        served.stub,
+        token_ids=pb.TokenIds(ids=[5] * S),
+        stopping=pb.StoppingCriteria(max_tokens=0),
+        logprobs=pb.LogprobOptions(prompt_logprobs=True),
+    )
+    assert len(scored[0].prompt_tokens) == S
+
+
+def test_absent_max_tokens_fills_the_context(served):
+    before = len(served.engine.inserts)
+    generate(served.stub, token_ids=pb.TokenIds(ids=[5] * 250), stopping=pb.StoppingCriteria(ignore_eos=True))
+    assert served.engine.inserts[before][1].max_tokens == S - 250
