@@ -66,6 +66,9 @@ class TextGenerationServicer:
 
     def Generate(self, request, context):
         """Server streaming: one or more GenerateResponse per sample, the last one per sample has `finished`.
+        Errors: INVALID_ARGUMENT "<field>: <why>" before anything is queued; RESOURCE_EXHAUSTED when the admission
+        queue is full; UNAVAILABLE while shutting down; on an engine failure every unfinished sample gets a final
+        message with FINISH_REASON_ERROR and the call then ends with INTERNAL.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
