@@ -1,0 +1,157 @@
+"""gRPC client channels to one or more backends: model discovery, health, round-robin choice."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tpuserve.http_gateway.errors import APIError, from_grpc
+from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
+from tpuserve.proto.tpuserve.v1 import tpuserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+INFO_TIMEOUT_S = 2.0
+HEALTH_TIMEOUT_S = 1.0
+_MAX_MESSAGE = 64 * 1024 * 1024
+
+
+class Backend:
+    """One backend address: a grpc.aio channel (created inside the serving event loop) and its model info."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        options = [
+            ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            ("grpc.max_send_message_length", _MAX_MESSAGE),
+        ]
+        self.channel = grpc.aio.insecure_channel(address, options=options)
+        self.stub = pb_grpc.TextGenerationStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.info: pb.ModelInfo | None = None
+
+    async def refresh_info(self) -> pb.ModelInfo | None:
+        try:
+            self.info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=INFO_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            log.warning("backend %s: GetModelInfo failed: %s", self.address, e.code().name)
+        return self.info
+
+    async def serving(self) -> bool:
+        try:
+            resp = await self.health.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class BackendPool:
+    """Backends serving one or more models; requests for a model go round-robin over its backends."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        if not addresses:
+            raise ValueError("at least one backend address is required")
+        self.addresses = list(addresses)
+        self.backends: list[Backend] = []
+        self._rr = itertools.count()
+
+    async def start(self) -> None:
+        self.backends = [Backend(a) for a in self.addresses]
+        await self.refresh()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(b.channel.close() for b in self.backends), return_exceptions=True)
+
+    async def refresh(self, missing_only: bool = False) -> None:
+        todo = [b for b in self.backends if not (missing_only and b.info is not None)]
+        await asyncio.gather(*(b.refresh_info() for b in todo))
+
+    def models(self) -> dict[str, pb.ModelInfo]:
+        return {b.info.model_id: b.info for b in self.backends if b.info is not None}
+
+    async def healthy(self) -> bool:
+        return any(await asyncio.gather(*(b.serving() for b in self.backends)))
+
+    async def resolve(self, model: str) -> list[Backend]:
+        """Backends serving `model`, rotated round-robin (the first is this request's choice)."""
+        if not any(b.info and b.info.model_id == model for b in self.backends):
+            await self.refresh(missing_only=True)
+        found = [b for b in self.backends if b.info is not None and b.info.model_id == model]
+        if not found:
+            if not self.models():
+                raise APIError(503, "No backend is available.", "server_error", None, "service_unavailable")
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist or you do not have access to it.",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+        k = next(self._rr) % len(found)
+        return found[k:] + found[:k]
+
+    async def info(self, model: str) -> pb.ModelInfo:
+        backend = (await self.resolve(model))[0]
+        assert backend.info is not None
+        return backend.info
+
+    async def generate(self, model: str, request: pb.GenerateRequest) -> GenerateStream:
+        """Start `Generate` and wait for its first message, so that errors before any output (bad argument,
+        overload, backend down) become the HTTP status. UNAVAILABLE fails over to the model's next backend."""
+        last: grpc.aio.AioRpcError | None = None
+        for backend in await self.resolve(model):
+            call = backend.stub.Generate(request)
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    last = e
+                    continue
+                raise from_grpc(e) from None
+            if first is grpc.aio.EOF:
+                raise APIError(
+                    502, "The backend ended the stream without output.", "server_error", None, "backend_error"
+                )
+            return GenerateStream(call, first)
+        assert last is not None
+        raise from_grpc(last)
+
+    async def detokenize(self, model: str, ids: list[int]) -> str:
+        backend = (await self.resolve(model))[0]
+        try:
+            resp = await backend.stub.Detokenize(pb.DetokenizeRequest(token_ids=ids), timeout=30)
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc(e) from None
+        return resp.text
+
+
+class GenerateStream:
+    """A started `Generate` call whose first message was already read. Cancel it when abandoned."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, first: pb.GenerateResponse) -> None:
+        self.call = call
+        self.first = first
+
+    async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
+        """All messages; a gRPC failure raises `APIError`. The call is cancelled if the consumer stops early."""
+        try:
+            yield self.first
+            while True:
+                try:
+                    msg = await self.call.read()
+                except grpc.aio.AioRpcError as e:
+                    raise from_grpc(e) from None
+                if msg is grpc.aio.EOF:
+                    return
+                yield msg
+        finally:
+            self.call.cancel()
+
+    def cancel(self) -> None:
+        self.call.cancel()

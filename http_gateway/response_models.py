@@ -1,0 +1,122 @@
+"""Response bodies in the OpenAI shapes (chat completion + chunk, completion, model list, usage).
+
+Serialize with `dump()`: fields left unset are omitted (a chunk's `delta` holds only what it carries, `usage`
+appears only when asked); every field the spec requires is always set explicitly by the renderers.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+
+class OpenAIObject(BaseModel):
+    def dump(self) -> str:
+        return self.model_dump_json(exclude_unset=True)
+
+
+class TopLogprob(OpenAIObject):
+    token: str
+    bytes: list[int]
+    logprob: float
+
+
+class TokenLogprob(OpenAIObject):
+    token: str
+    bytes: list[int]
+    logprob: float
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(OpenAIObject):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None
+
+
+class Usage(OpenAIObject):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt: int, completion: int) -> Usage:
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class ChatMessageOut(OpenAIObject):
+    role: Literal["assistant"]
+    content: str | None
+    refusal: str | None
+
+
+class ChatChoice(OpenAIObject):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChoiceLogprobs | None
+    finish_reason: str
+
+
+class ChatCompletion(OpenAIObject):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(OpenAIObject):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(OpenAIObject):
+    index: int
+    delta: Delta
+    logprobs: ChoiceLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(OpenAIObject):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobsOut(OpenAIObject):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(OpenAIObject):
+    index: int
+    text: str
+    logprobs: CompletionLogprobsOut | None
+    finish_reason: str | None
+
+
+class Completion(OpenAIObject):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(OpenAIObject):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(OpenAIObject):
+    object: Literal["list"]
+    data: list[ModelCard]
