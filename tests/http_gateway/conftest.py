@@ -1,0 +1,97 @@
+"""Gateway fixtures: a real uvicorn server per backend kind, session-scoped.
+
+- `scripted` / `scripted_gateway`: the scripted gRPC backend (tests/http_gateway/scripted_backend.py) whose
+  outputs the tests control through the prompt; tests of exact outputs use these.
+- `gateway`: parametrized over backend kinds, for tests that assert only what holds for any backend (shapes,
+  the logprob rules' invariants). Kind "real" uses the `real_backend_address` fixture (a backend serving a real
+  model) and is skipped until that fixture exists.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import openai_spec
+from gateway_harness import GatewayServer
+from scripted_backend import ScriptedBackend
+
+API_KEY = "sk-test-key"
+
+
+@dataclass
+class Gateway:
+    url: str
+    model: str
+    kind: str
+    http: httpx.Client
+    scripted: ScriptedBackend | None = None
+
+
+def _gateway(
+    backends: list[str], kind: str, scripted: ScriptedBackend | None = None, api_key: str | None = None
+) -> Iterator[Gateway]:
+    server = GatewayServer(backends, api_key=api_key).start()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=server.url, timeout=30, headers=headers) as http:
+        models = http.get("/v1/models").json()
+        model = models["data"][0]["id"] if models.get("data") else ""
+        yield Gateway(server.url, model, kind, http, scripted)
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def scripted() -> Iterator[ScriptedBackend]:
+    backend = ScriptedBackend().start()
+    yield backend
+    backend.stop()
+
+
+@pytest.fixture(scope="session")
+def scripted_gateway(scripted: ScriptedBackend) -> Iterator[Gateway]:
+    yield from _gateway([scripted.address], "scripted", scripted)
+
+
+@pytest.fixture(scope="session", params=["scripted", "real"])
+def gateway(request: pytest.FixtureRequest) -> Iterator[Gateway]:
+    if request.param == "scripted":
+        yield request.getfixturevalue("scripted_gateway")
+        return
+    try:
+        address = request.getfixturevalue("real_backend_address")
+    except pytest.FixtureLookupError:
+        pytest.skip("no `real_backend_address` fixture (a backend serving a real model) in this checkout")
+    yield from _gateway([address], "real")
+
+
+@pytest.fixture(scope="session")
+def keyed_gateway(scripted: ScriptedBackend) -> Iterator[Gateway]:
+    """The gateway with an API key (its client sends the right bearer token)."""
+    yield from _gateway([scripted.address], "scripted", scripted, api_key=API_KEY)
+
+
+@pytest.fixture(scope="session")
+def dead_gateway() -> Iterator[Gateway]:
+    """A gateway whose only backend address has nothing listening."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    yield from _gateway([f"127.0.0.1:{port}"], "dead")
+
+
+@pytest.fixture(scope="session")
+def spec() -> object:
+    """The OpenAPI schema validator module; skips when the spec file is absent."""
+    if not openai_spec.available():
+        pytest.skip(f"OpenAI OpenAPI spec not found at {openai_spec.SPEC_PATH}")
+    return openai_spec

@@ -1,0 +1,399 @@
+"""A scripted TextGeneration backend over a real grpc.aio server, for gateway tests without a model.
+
+Its tokenizer is tiny and byte-level: specials `<|endoftext|>` (0), `<|im_start|>` (1), `<|im_end|>` (2, the EOS),
+some whole-word tokens (" How" twice, as ids DUP_A and DUP_B, to exercise equal-string alternatives), and one
+token per byte (so an emoji or a CJK character is split across tokens with partial UTF-8 bytes).
+
+What a sample generates is scripted by the prompt (the last chat message, or the completion prompt's text):
+- `say:<text>` generates <text> (up to a newline) and then the EOS; no directive: DEFAULT_REPLY then the EOS;
+- `loop:<text>` repeats <text> without an EOS (finish by max_tokens); `slow:` before it sleeps per token;
+- `fail:<CODE>:<message>` aborts with that gRPC status; `failmid:` aborts after the first message.
+
+Logprobs are hand-computable: sample s, token j: `logprob(j, s) = -(0.1 * (j % 5 + 1)) / (s + 1)` (later
+samples are "better", for best_of); alternatives (`alternatives`) put the sampled token first, except at
+j % 4 == 3 where two tokens rank above it; one alternative is always -inf, one is the EOS, one a partial byte.
+Text is released like the real backend's detokenizer: at token boundaries, complete characters only, stop
+string prefixes held back, the stop string cut (tokens that began before it are kept).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
+from tpuserve.proto.tpuserve.v1 import tpuserve_pb2_grpc as pb_grpc
+
+MODEL_ID = "scripted-model"
+CREATED = 1_700_000_000
+DEFAULT_REPLY = "Hello! How can I assist you today?"
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS = 2
+WORDS = [
+    "Hello",
+    "!",
+    " How",
+    " can",
+    " I",
+    " assist",
+    " you",
+    " today",
+    "?",
+    " How",
+    " maybe",
+    " perhaps",
+    "user",
+    "assistant",
+    "system",
+    "Hi",
+    " there",
+    " world",
+]
+WORD_BASE = len(SPECIALS)
+DUP_A = WORD_BASE + WORDS.index(" How")
+DUP_B = WORD_BASE + len(WORDS) - 1 - WORDS[::-1].index(" How")
+ID_HI1 = WORD_BASE + WORDS.index(" maybe")
+ID_HI2 = WORD_BASE + WORDS.index(" perhaps")
+ID_NEGINF = WORD_BASE + WORDS.index(" world")
+BYTE_BASE = WORD_BASE + len(WORDS)
+VOCAB_SIZE = BYTE_BASE + 256
+MAX_TOP = 20
+MAX_N = 16
+CONTEXT = 4096
+
+
+def token_bytes(tid: int) -> bytes:
+    if tid < WORD_BASE:
+        return b""
+    if tid < BYTE_BASE:
+        return WORDS[tid - WORD_BASE].encode()
+    return bytes([tid - BYTE_BASE])
+
+
+def is_special(tid: int) -> bool:
+    return tid < WORD_BASE
+
+
+def encode(text: str, parse_special: bool) -> list[int]:
+    """Greedy longest match over words, byte fallback; special-token text parsed only if asked."""
+    raw = text.encode()
+    words = sorted(
+        ((w.encode(), WORD_BASE + i) for i, w in enumerate(WORDS) if WORD_BASE + i != DUP_B),
+        key=lambda x: -len(x[0]),
+    )
+    specials = [(s.encode(), i) for i, s in enumerate(SPECIALS)]
+    out, pos = [], 0
+    while pos < len(raw):
+        for table in ((specials if parse_special else []), words):
+            hit = next(((w, i) for w, i in table if raw.startswith(w, pos)), None)
+            if hit:
+                out.append(hit[1])
+                pos += len(hit[0])
+                break
+        else:
+            out.append(BYTE_BASE + raw[pos])
+            pos += 1
+    return out
+
+
+def decode(ids: list[int]) -> str:
+    return b"".join(SPECIALS[i].encode() if is_special(i) else token_bytes(i) for i in ids).decode(
+        "utf-8", errors="replace"
+    )
+
+
+def render_chat(messages: list[pb.ChatMessage]) -> list[int]:
+    ids: list[int] = []
+    for m in messages:
+        ids += [1] + encode(f"{m.role}\n", False) + encode(m.content, False) + [EOS] + encode("\n", False)
+    return ids + [1] + encode("assistant\n", False)
+
+
+def logprob(j: int, s: int) -> float:
+    return -(0.1 * (j % 5 + 1)) / (s + 1)
+
+
+def alternatives(tid: int, lp: float, j: int) -> list[tuple[int, float]]:
+    """(id, logprob) of the top MAX_TOP alternatives, sorted descending; includes the sampled token."""
+    cands: list[tuple[int, float]] = []
+    if j % 4 == 3:
+        cands += [(ID_HI1, lp + 0.05), (ID_HI2, lp + 0.02)]
+    cands.append((tid, lp))
+    others = [DUP_A, DUP_B, EOS, BYTE_BASE + 0xF0] + [BYTE_BASE + b for b in b"abcdefghijklmnopqrstuvwxyz"]
+    used = {c[0] for c in cands}
+    extra = [o for o in others if o not in used and o != ID_NEGINF]
+    cands += [(o, lp - 0.3 - 0.1 * i) for i, o in enumerate(extra)]
+    cands = cands[: MAX_TOP - 1] + [(ID_NEGINF, float("-inf"))]
+    return sorted(cands, key=lambda c: -c[1])
+
+
+def make_token(tid: int, index: int, lp: float | None, j: int, opts: pb.LogprobOptions) -> pb.Token:
+    tok = pb.Token(
+        index=index,
+        token_id=tid,
+        token_bytes=token_bytes(tid),
+        special=is_special(tid),
+        special_text=SPECIALS[tid] if is_special(tid) else "",
+    )
+    if opts.enabled and lp is not None:
+        tok.logprob = lp
+        for aid, alp in alternatives(tid, lp, j)[: opts.top_logprobs]:
+            tok.top_logprobs.append(
+                pb.TopLogprob(
+                    token_id=aid,
+                    token_bytes=token_bytes(aid),
+                    logprob=alp,
+                    special=is_special(aid),
+                    special_text=SPECIALS[aid] if is_special(aid) else "",
+                )
+            )
+    return tok
+
+
+@dataclass
+class Script:
+    ids: list[int]
+    eos: bool = True
+    loop: bool = False
+    slow: bool = False
+    fail: tuple[grpc.StatusCode, str] | None = None
+    fail_mid: bool = False
+
+
+def script_for(text: str) -> Script:
+    slow = "slow:" in text
+    if "fail:" in text:
+        code, _, message = text.split("fail:", 1)[1].partition(":")
+        return Script([], fail=(grpc.StatusCode[code.strip()], message.strip()))
+    for key in ("say:", "loop:"):
+        if key in text:
+            body = text.split(key, 1)[1].split("\n", 1)[0]
+            return Script(
+                encode(body, False),
+                eos=key == "say:",
+                loop=key == "loop:",
+                slow=slow,
+                fail_mid="failmid:" in text,
+            )
+    return Script(encode(DEFAULT_REPLY, False), slow=slow, fail_mid="failmid:" in text)
+
+
+@dataclass
+class SampleState:
+    """One sample's detokenization, mirroring the real backend's release rules."""
+
+    stops: list[str]
+    pending: list[pb.Token] = field(default_factory=list)
+    data: bytes = b""
+    starts: list[int] = field(default_factory=list)  # byte start of each pending token
+    released_chars: int = 0
+    released_tokens: int = 0
+
+    def text(self) -> tuple[str, bool]:
+        dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        text = dec.decode(self.data)
+        return text, not dec.getstate()[0]
+
+    def add(self, tok: pb.Token) -> tuple[list[pb.Token], str, str | None]:
+        """Returns (tokens released, text released, matched stop)."""
+        self.starts.append(len(self.data))
+        self.pending.append(tok)
+        if not tok.special:
+            self.data += tok.token_bytes
+        text, complete = self.text()
+        hits = [(text.find(s, self.released_chars), s) for s in self.stops if s]
+        hits = [h for h in hits if h[0] >= 0]
+        if hits:
+            at, stop = min(hits)
+            cut = len(text[:at].encode())
+            kept = [t for t, b in zip(self.pending, self.starts) if b < cut]
+            return self._release(kept, text[self.released_chars : at]) + (stop,)
+        if not complete:
+            return [], "", None
+        safe = len(text)
+        for i in range(self.released_chars, len(text)):
+            if any(s.startswith(text[i:]) for s in self.stops if s):
+                safe = i
+                break
+        if safe < len(text):
+            return [], "", None
+        return self._release(list(self.pending), text[self.released_chars :]) + (None,)
+
+    def flush(self) -> tuple[list[pb.Token], str]:
+        text, _ = self.text()  # complete characters only: a cut multi-byte character stays undecoded
+        return self._release(list(self.pending), text[self.released_chars :])
+
+    def _release(self, tokens: list[pb.Token], text: str) -> tuple[list[pb.Token], str]:
+        self.pending, self.starts = [], []
+        self.released_chars += len(text)
+        self.released_tokens += len(tokens)
+        return tokens, text
+
+
+class ScriptedServicer(pb_grpc.TextGenerationServicer):
+    def __init__(self) -> None:
+        self.requests: list[pb.GenerateRequest] = []
+        self.cancelled: list[str] = []
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        self.requests.append(request)
+        kind = request.WhichOneof("prompt")
+        if kind == "chat":
+            prompt_ids = render_chat(list(request.chat.messages))
+            script_text = request.chat.messages[-1].content
+        elif kind == "text":
+            prompt_ids = encode(request.text, True)
+            script_text = request.text
+        else:
+            prompt_ids = list(request.token_ids.ids)
+            script_text = decode(prompt_ids)
+        script = script_for(script_text)
+        if script.fail:
+            await context.abort(*script.fail)
+        n = request.n or 1
+        if n > MAX_N:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"n must be at most {MAX_N}")
+        if request.logprobs.top_logprobs > MAX_TOP:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"top_logprobs must be at most {MAX_TOP}")
+        if any(i >= VOCAB_SIZE for i in prompt_ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token id out of range")
+        has_max = request.stopping.HasField("max_tokens")
+        max_tokens = request.stopping.max_tokens if has_max else CONTEXT - len(prompt_ids)
+        opts = request.logprobs
+        try:
+            if opts.prompt_logprobs:
+                prompt = [
+                    make_token(t, p, None if p == 0 else -1.0 - 0.01 * p, p, opts)
+                    for p, t in enumerate(prompt_ids)
+                ]
+                yield pb.GenerateResponse(request_id=request.request_id, index=0, prompt_tokens=prompt)
+            async for msg in self._samples(request, context, script, n, max_tokens, len(prompt_ids)):
+                yield msg
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+
+    async def _samples(
+        self,
+        request: pb.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        script: Script,
+        n: int,
+        max_tokens: int,
+        prompt_len: int,
+    ):
+        states = [SampleState(list(request.stopping.stop)) for _ in range(n)]
+        live = set(range(n))
+        j = 0
+        sent = 0
+        while live:
+            for s in sorted(live):
+                st = states[s]
+                msg = pb.GenerateResponse(request_id=request.request_id, index=s)
+                if j >= max_tokens:
+                    toks, text = st.flush()
+                    msg.finish_reason = pb.FINISH_REASON_LENGTH
+                else:
+                    if script.loop:
+                        tid = script.ids[j % len(script.ids)]
+                    else:
+                        tid = script.ids[j] if j < len(script.ids) else EOS
+                    tok = make_token(tid, j, logprob(j, s), j, request.logprobs)
+                    toks, text, stop = st.add(tok)
+                    if stop is not None:
+                        msg.finish_reason, msg.stop_reason = pb.FINISH_REASON_STOP, stop
+                    elif tid == EOS and script.eos:
+                        more, rest = st.flush()
+                        toks, text = toks + more, text + rest
+                        msg.finish_reason = pb.FINISH_REASON_EOS
+                    elif j + 1 >= max_tokens:
+                        more, rest = st.flush()
+                        toks, text = toks + more, text + rest
+                        msg.finish_reason = pb.FINISH_REASON_LENGTH
+                msg.tokens.extend(toks)
+                msg.text = text
+                if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    msg.finished = True
+                    msg.prompt_tokens_count = prompt_len
+                    msg.completion_tokens_count = st.released_tokens
+                    live.discard(s)
+                elif not (toks or text):
+                    continue
+                if script.fail_mid and sent == 1:
+                    await context.abort(grpc.StatusCode.INTERNAL, "engine failed mid-stream")
+                yield msg
+                sent += 1
+                if script.slow:
+                    await asyncio.sleep(0.01)
+            j += 1
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context):
+        ids = [i for i in request.token_ids if not (request.skip_special_tokens and is_special(i))]
+        return pb.DetokenizeResponse(text=decode(ids))
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context):
+        if request.WhichOneof("input") == "chat":
+            ids = render_chat(list(request.chat.messages))
+        else:
+            ids = encode(request.text, True)
+        return pb.TokenizeResponse(token_ids=ids, token_bytes=[token_bytes(i) for i in ids])
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context):
+        return pb.ModelInfo(
+            model_id=MODEL_ID,
+            vocab_size=VOCAB_SIZE,
+            context_length=CONTEXT,
+            max_top_logprobs=MAX_TOP,
+            eos_token_ids=[EOS],
+            slots=8,
+            max_n=MAX_N,
+            created=CREATED,
+        )
+
+
+class ScriptedBackend:
+    """Runs the scripted servicer (and grpc health, SERVING) on 127.0.0.1 in a thread with its own loop."""
+
+    def __init__(self) -> None:
+        self.servicer = ScriptedServicer()
+        self.address = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> ScriptedBackend:
+        ready = threading.Event()
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            self._loop.run_until_complete(self._serve(ready))
+
+        self._thread = threading.Thread(target=run, name="scripted-backend", daemon=True)
+        self._thread.start()
+        if not ready.wait(10):
+            raise RuntimeError("scripted backend did not start")
+        return self
+
+    async def _serve(self, ready: threading.Event) -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_TextGenerationServicer_to_server(self.servicer, server)
+        health_servicer = health.aio.HealthServicer()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        self.address = f"127.0.0.1:{port}"
+        self._stop = asyncio.Event()
+        ready.set()
+        await self._stop.wait()
+        await server.stop(0)
+
+    def stop(self) -> None:
+        if self._loop and self._stop:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread:
+            self._thread.join(10)
