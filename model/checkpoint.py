@@ -14,7 +14,6 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-
 from tpuserve.model.config import ModelConfig, ModelLoadError
 from tpuserve.model.llama import param_shapes
 

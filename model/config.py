@@ -57,7 +57,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_json(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
         if d.get("rope_scaling"):
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])

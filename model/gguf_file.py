@@ -9,10 +9,9 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-from tqdm import tqdm
-
 from tpuserve.model.config import ModelConfig, ModelLoadError, config_from_gguf_fields
 from tpuserve.model.weights_stack import LayerStacker
+from tqdm import tqdm
 
 _LAYER_MAP = {
     "attn_norm.weight": "attn_norm",

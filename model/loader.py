@@ -11,7 +11,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from tpuserve.model import checkpoint
 from tpuserve.model.config import ModelConfig, ModelLoadError, config_from_hf
 from tpuserve.model.embedded import EMBEDDED_MODEL_ID, default_model_path
@@ -44,13 +43,19 @@ def model_id_for(path: pathlib.Path) -> str:
 def load_model(
     path: str | pathlib.Path | None = None,
     dtype: str = "float32",
-    shardings: dict[str, jax.sharding.Sharding] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
     with_tokenizer: bool = True,
 ) -> LoadedModel:
-    """Load weights (cast to `dtype`, placed by `shardings` if given), config and tokenizer."""
+    """Load weights (cast to `dtype`; with a mesh, each placed by the sharding rules as it is read, and an Orbax
+    checkpoint restored straight into that layout), config and tokenizer."""
+    from tpuserve.model.sharding import param_shardings
+
     start = time.perf_counter()
     path = resolve_path(path)
     jdtype = jnp.dtype(dtype)
+    tokenizer = None
+
+    shardings: dict[str, jax.sharding.Sharding] | None = None
 
     def cast(name: str, arr: np.ndarray) -> jax.Array:
         out = jnp.asarray(arr, dtype=jdtype)
@@ -63,23 +68,29 @@ def load_model(
 
         reader = gguf_file.open_gguf(path)
         cfg = gguf_file.gguf_config(reader, gguf_file.read_fields(reader), path)
+        shardings = param_shardings(cfg, mesh) if mesh is not None else None
         params = gguf_file.load_gguf_weights(reader, cfg, path, cast)
         model_id = model_id_for(path)
+        if with_tokenizer:  # reuse the open reader: reading the GGUF metadata again costs seconds
+            from tpuserve.model.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_gguf(path, reader=reader)
     elif checkpoint.is_checkpoint(path):
         manifest = checkpoint.read_manifest(path)
         cfg = manifest["config"]
+        shardings = param_shardings(cfg, mesh) if mesh is not None else None
         params = checkpoint.restore_params(path, cfg, jdtype, shardings)
         model_id = manifest["model_id"]
     elif path.is_dir():
         from tpuserve.model.weights_hf import load_hf_weights
 
         cfg = config_from_hf(path)
+        shardings = param_shardings(cfg, mesh) if mesh is not None else None
         params = load_hf_weights(path, cfg, cast)
         model_id = path.name
     else:
         raise ModelLoadError(f"{path}: expected a .gguf file, a Hugging Face model directory or an Orbax checkpoint")
-    tokenizer = None
-    if with_tokenizer:
+    if with_tokenizer and tokenizer is None:
         from tpuserve.model.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(path)

@@ -8,10 +8,9 @@ from collections.abc import Callable
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from tqdm import tqdm
-
 from tpuserve.model.config import ModelConfig, ModelLoadError
 from tpuserve.model.weights_stack import LayerStacker
+from tqdm import tqdm
 
 # transformers name (after "model.layers.{i}.") -> (our name, transpose)
 _LAYER_MAP = {

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-
 from tpuserve.model.config import ModelConfig, ModelLoadError
 from tpuserve.model.llama import param_shapes
 

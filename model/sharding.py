@@ -1,0 +1,61 @@
+"""Sharding as data: logical axis names (see llama.PARAM_AXES / CACHE_AXES) map to mesh axes by a rules table.
+
+A dimension that the mesh axis does not divide is replicated instead (e.g. SmolLM2's 3 KV heads on 4 devices)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tpuserve.model.config import ModelConfig
+from tpuserve.model.llama import CACHE_AXES, PARAM_AXES, param_shapes
+
+DEFAULT_RULES = {
+    "heads": "model",
+    "kv_heads": "model",
+    "mlp": "model",
+    "vocab": None,
+    "embed": None,
+    "layers": None,
+    "batch": "data",
+    "sequence": None,
+}
+
+
+@dataclass(frozen=True)
+class ShardingRules:
+    rules: dict[str, str | None] = field(default_factory=lambda: dict(DEFAULT_RULES))
+
+    def spec(self, mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> PartitionSpec:
+        out = []
+        for name, dim in zip(axes, shape):
+            mesh_axis = self.rules.get(name) if name else None
+            if mesh_axis is None or mesh_axis not in mesh.shape or dim % mesh.shape[mesh_axis]:
+                out.append(None)
+            else:
+                out.append(mesh_axis)
+        return PartitionSpec(*out)
+
+
+def make_mesh(model_parallel: int = 1, data_parallel: int = 1, devices=None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    need = model_parallel * data_parallel
+    if need > len(devices):
+        raise ValueError(f"mesh data={data_parallel} x model={model_parallel} needs {need} devices, have {len(devices)}")
+    return Mesh(np.array(devices[:need]).reshape(data_parallel, model_parallel), ("data", "model"))
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = None) -> dict[str, NamedSharding]:
+    rules = rules or ShardingRules()
+    return {
+        name: NamedSharding(mesh, rules.spec(mesh, PARAM_AXES[name], shape))
+        for name, shape in param_shapes(cfg).items()
+    }
+
+
+def cache_sharding(cfg: ModelConfig, mesh: Mesh, slots: int, max_len: int, rules: ShardingRules | None = None):
+    rules = rules or ShardingRules()
+    shape = (cfg.num_layers, slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return NamedSharding(mesh, rules.spec(mesh, CACHE_AXES, shape))

@@ -1,0 +1,44 @@
+"""Build the real engine from an EngineConfig: load the model (placed by the sharding rules), create the engine,
+compile everything (warm-up)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from tpuserve.model.loader import LoadedModel, load_model
+from tpuserve.model.sharding import make_mesh
+from tpuserve.sampler.config import EngineConfig
+from tpuserve.sampler.engine import JaxEngine
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> JaxEngine:
+    mesh = make_mesh(cfg.model_parallel, cfg.data_parallel) if cfg.model_parallel * cfg.data_parallel > 1 else None
+    if loaded is None:
+        loaded = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh)
+    engine = JaxEngine(
+        loaded,
+        slots=cfg.slots,
+        max_seq_len=cfg.max_seq_len,
+        steps_per_call=cfg.steps_per_call,
+        min_prefill_bucket=cfg.min_prefill_bucket,
+        prefill_chunk=cfg.prefill_chunk,
+        min_attend_bucket=cfg.min_attend_bucket,
+        processed_logprobs=cfg.processed_logprobs,
+        mesh=mesh,
+    )
+    if cfg.warm_up:
+        start = time.perf_counter()
+        engine.warm_up()
+        log.info("warm-up compiled all programs in %.1f s", time.perf_counter() - start)
+    return engine
+
+
+def load_engine(cfg: EngineConfig):
+    """-> (engine, tokenizer, model_id) for the gRPC service."""
+    mesh = make_mesh(cfg.model_parallel, cfg.data_parallel) if cfg.model_parallel * cfg.data_parallel > 1 else None
+    loaded = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh)
+    engine = build_engine(cfg, loaded)
+    return engine, loaded.tokenizer, loaded.model_id

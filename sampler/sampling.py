@@ -1,0 +1,90 @@
+"""On-device sampling and logprobs. All per-slot parameters are traced arrays ([B]), never static.
+
+Sampling is the Gumbel-max trick over the (filtered) scaled logits: exact categorical sampling in O(V) with no
+vocabulary sort. Top-k / top-p thresholds come from the 256 most likely tokens; only when some slot's nucleus
+reaches past them does a full sort run (under `lax.cond`, so the common case never pays for it).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+FILTER_WIDTH = 256
+NEG_INF = -jnp.inf
+
+
+def top_logprobs(logprobs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """logprobs: [B, V] -> (values [B, k] descending, ids [B, k]).
+
+    The optimization barrier keeps XLA:CPU from rewriting TopK into a full sort when a consumer slices it."""
+    values, ids = jax.lax.top_k(logprobs, k)
+    return jax.lax.optimization_barrier((values, ids.astype(jnp.int32)))
+
+
+def _thresholds_from_sorted(sorted_scaled: jax.Array, lse: jax.Array, top_p: jax.Array, top_k: jax.Array):
+    """sorted_scaled: [B, W] descending scaled logits (W may be < V).
+
+    Returns (threshold [B], exact [B]): exact is False where the answer lies past the W values seen."""
+    W = sorted_scaled.shape[-1]
+    cum = jnp.cumsum(jnp.exp(sorted_scaled - lse[:, None]), axis=-1)
+    p_on = top_p < 1.0
+    k_on = top_k > 0
+    p_idx = jnp.minimum(jnp.sum(cum < top_p[:, None], axis=-1), W - 1)  # the token crossing top_p is kept
+    k_idx = jnp.minimum(top_k, W) - 1
+    idx = jnp.where(p_on & k_on, jnp.minimum(p_idx, k_idx), jnp.where(p_on, p_idx, k_idx))
+    thr = jnp.take_along_axis(sorted_scaled, jnp.maximum(idx, 0)[:, None], axis=-1)[:, 0]
+    p_reached = cum[:, -1] >= top_p
+    exact = (~p_on & ~k_on) | (p_on & p_reached) | (k_on & (top_k <= W))
+    return jnp.where(p_on | k_on, thr, NEG_INF), exact
+
+
+def filter_threshold(scaled: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
+    """Per-slot logit threshold for top-k / top-p ([B]); -inf where no filtering applies."""
+    lse = jax.nn.logsumexp(scaled, axis=-1)
+    W = min(FILTER_WIDTH, scaled.shape[-1])
+
+    def from_top(_):
+        vals, _ = jax.lax.top_k(scaled, W)
+        return _thresholds_from_sorted(vals, lse, top_p, top_k)
+
+    thr, exact = from_top(None)
+    needs_full = jnp.any(~exact)
+
+    def full(_):
+        vals = -jnp.sort(-scaled, axis=-1)
+        return _thresholds_from_sorted(vals, lse, top_p, top_k)[0]
+
+    return jax.lax.cond(needs_full, full, lambda _: thr, None)
+
+
+def processed_logits(logits: jax.Array, temperature, top_p, top_k, min_p) -> jax.Array:
+    """logits [B, V] -> temperature-scaled logits with top-k / top-p / min-p filtered to -inf."""
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    needs = jnp.any((top_p < 1.0) | (top_k > 0))
+    thr = jax.lax.cond(
+        needs, lambda s: filter_threshold(s, top_p, top_k), lambda s: jnp.full(s.shape[:1], NEG_INF), scaled
+    )
+    keep = scaled >= thr[:, None]
+    mx = jnp.max(scaled, axis=-1, keepdims=True)
+    keep &= (min_p[:, None] <= 0) | (scaled - mx >= jnp.log(jnp.maximum(min_p, 1e-30))[:, None])
+    return jnp.where(keep, scaled, NEG_INF)
+
+
+def sample(
+    logits: jax.Array, greedy_ids: jax.Array, keys: jax.Array, positions: jax.Array, temperature, top_p, top_k, min_p
+) -> tuple[jax.Array, jax.Array]:
+    """Returns (token ids [B], processed logits [B, V]).
+
+    keys: [B, 2] raw PRNG keys of each slot's seed; positions: [B] the position the sampled token will take, so a
+    seeded request samples the same tokens in any slot, next to any other requests. Greedy where temperature==0.
+    """
+    proc = processed_logits(logits, temperature, top_p, top_k, min_p)
+
+    def draw(_):
+        step_keys = jax.vmap(jax.random.fold_in)(keys, positions)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], jnp.float32))(step_keys)
+        return jnp.argmax(proc + gumbel, axis=-1).astype(jnp.int32)
+
+    sampled = jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy_ids, None)
+    return jnp.where(temperature > 0, sampled, greedy_ids), proc

@@ -1,0 +1,51 @@
+"""Session-scoped fixtures shared by the suite: the embedded model loaded once, one warmed engine, the PyTorch
+reference. Four fake CPU devices are configured before JAX is imported, so sharding tests can build a mesh;
+everything else runs on device 0."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+# The engine every real-model test shares (64 slots: batch invariance is checked next to 63 other requests).
+ENGINE_SETTINGS = dict(slots=64, max_seq_len=256, steps_per_call=8, min_prefill_bucket=32, min_attend_bucket=128)
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    from tpuserve.model.loader import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def engine(embedded):
+    from tpuserve.sampler.engine import JaxEngine
+
+    eng = JaxEngine(embedded, **ENGINE_SETTINGS)
+    eng.warm_up()
+    return eng
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """transformers + PyTorch on the same GGUF (test-only dependency): (model, tokenizer)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tpuserve.model.embedded import default_model_path
+
+    path = default_model_path()
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    return model, tok
