@@ -1,0 +1,46 @@
+"""`tpuserve serve` (what `make serve` runs): one gRPC backend process on GRPC_PORT and the gateway on PORT.
+
+The backend is a child process (it owns JAX and the devices; the gateway process never imports JAX). The gateway's
+/health answers 503 until the backend's gRPC health says SERVING (after warm-up). SIGTERM/SIGINT stops the
+gateway, then the backend drains its in-flight requests and exits."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tpuserve serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default=os.environ.get("HOST", "0.0.0.0"))
+    p.add_argument("--port", type=int, default=int(os.environ.get("PORT", 8000)))
+    p.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 50051)))
+    p.add_argument("--model", default=None, help="GGUF file, HF directory or Orbax checkpoint (default: embedded)")
+    p.add_argument("--config", default=None, help="backend YAML config (configs/*.yaml)")
+    p.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (or $TPUSERVE_API_KEY)")
+    args = p.parse_args(argv)
+
+    backend_cmd = [sys.executable, "-m", "tpuserve.grpc_service", "--host", "127.0.0.1", "--port", str(args.grpc_port)]
+    if args.model:
+        backend_cmd += ["--model", args.model]
+    if args.config:
+        backend_cmd += ["--config", args.config]
+    backend = subprocess.Popen(backend_cmd)
+    gateway_argv = ["--backend", f"127.0.0.1:{args.grpc_port}", "--host", args.host, "--port", str(args.port)]
+    if args.api_key:
+        gateway_argv += ["--api-key", args.api_key]
+    from tpuserve.http_gateway.serve import main as gateway_main
+
+    try:
+        gateway_main(gateway_argv)  # uvicorn handles SIGTERM/SIGINT and returns after its own graceful shutdown
+    finally:
+        if backend.poll() is None:
+            backend.send_signal(signal.SIGTERM)
+            try:
+                backend.wait(60)
+            except subprocess.TimeoutExpired:
+                backend.kill()
+    return 0
