@@ -19,7 +19,10 @@ def top_logprobs(logprobs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
     The optimization barrier keeps XLA:CPU from rewriting TopK into a full sort when a consumer slices it."""
     values, ids = jax.lax.top_k(logprobs, k)
-    return jax.lax.optimization_barrier((values, ids.astype(jnp.int32)))
+    # A third operand keeps the barrier's tuple from folding into TopK's own tuple: XLA:CPU's TopK decomposer
+    # (run on SPMD-partitioned programs) aborts when TopK feeds an optimization barrier directly.
+    values, ids, _ = jax.lax.optimization_barrier((values, ids.astype(jnp.int32), logprobs[..., :1]))
+    return values, ids
 
 
 def _thresholds_from_sorted(sorted_scaled: jax.Array, lse: jax.Array, top_p: jax.Array, top_k: jax.Array):

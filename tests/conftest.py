@@ -49,3 +49,18 @@ def hf_reference():
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
     return model, tok
+
+
+@pytest.fixture(scope="session")
+def real_backend(engine, embedded):
+    """The real gRPC backend (grpc.aio server + orchestrator) over the shared warmed engine, on a free port."""
+    from tests.grpc_service.conftest import ServerThread
+
+    server = ServerThread(engine, embedded.tokenizer, model_id=embedded.model_id)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def real_backend_address(real_backend) -> str:
+    return real_backend.address

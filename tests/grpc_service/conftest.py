@@ -23,12 +23,14 @@ FAIL_PREFILL_TEXT = "please fail the prefill"
 class ServerThread:
     """start_server(...) on a private event loop; `stub` is a sync client on a real channel."""
 
-    def __init__(self, engine: FakeEngine, tokenizer: Tokenizer, wait_ready: bool = True, **kw) -> None:
+    def __init__(
+        self, engine: FakeEngine, tokenizer: Tokenizer, wait_ready: bool = True, model_id: str = "fake-smollm2", **kw
+    ) -> None:
         self.engine = engine
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-test-loop", daemon=True)
         self.thread.start()
-        self.server: GrpcServer = self.call(start_server(engine, tokenizer, "fake-smollm2", **kw))
+        self.server: GrpcServer = self.call(start_server(engine, tokenizer, model_id, **kw))
         self.address = f"127.0.0.1:{self.server.port}"
         self.channel = grpc.insecure_channel(self.address)
         self.stub = pb_grpc.TextGenerationStub(self.channel)

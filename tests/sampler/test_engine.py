@@ -163,3 +163,5 @@ def test_no_compilation_after_warm_up(engine, embedded):
     run(engine, mixed, want_prompt_logprobs=True)
     run(engine, mixed[:1])
     assert compiles == []
+    jax.jit(lambda x: x * 3)(jax.numpy.ones(7))  # the listener does see a compilation
+    assert compiles
