@@ -1,10 +1,12 @@
 """Gateway fixtures: a real uvicorn server per backend kind, session-scoped.
 
 - `scripted` / `scripted_gateway`: the scripted gRPC backend (tests/http_gateway/scripted_backend.py) whose
-  outputs the tests control through the prompt; tests of exact outputs use these.
-- `gateway`: parametrized over backend kinds, for tests that assert only what holds for any backend (shapes,
-  the logprob rules' invariants). Kind "real" uses the `real_backend_address` fixture (a backend serving a real
-  model) and is skipped until that fixture exists.
+  outputs the tests control through the prompt; most tests use these (fast, exact expectations).
+- `gateway`: parametrized over backend kinds, for the tests that assert only what holds for any backend
+  (the seed reports, streamed == non-streamed, EOS accounting, SDK round trips, errors). Kind "real" uses the
+  `real_backend_address` fixture (tests/conftest.py: the gRPC backend over the shared warmed engine) and is
+  skipped where that fixture is absent. Real generation costs seconds per request on CPU: keep that set small
+  and its max_tokens low.
 """
 
 from __future__ import annotations
@@ -20,10 +22,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import openai_spec
-from gateway_harness import GatewayServer
+from gateway_harness import API_KEY, GatewayServer
 from scripted_backend import ScriptedBackend
-
-API_KEY = "sk-test-key"
 
 
 @dataclass

@@ -10,6 +10,8 @@ import time
 import uvicorn
 from tpuserve.http_gateway.app import create_app
 
+API_KEY = "sk-test-key"  # the keyed gateway's key
+
 
 class GatewayServer:
     def __init__(self, backends: list[str], api_key: str | None = None) -> None:

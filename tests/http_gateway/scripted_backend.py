@@ -235,7 +235,8 @@ class SampleState:
 
 
 class ScriptedServicer(pb_grpc.TextGenerationServicer):
-    def __init__(self) -> None:
+    def __init__(self, model_id: str = MODEL_ID) -> None:
+        self.model_id = model_id
         self.requests: list[pb.GenerateRequest] = []
         self.cancelled: list[str] = []
 
@@ -344,7 +345,7 @@ class ScriptedServicer(pb_grpc.TextGenerationServicer):
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context):
         return pb.ModelInfo(
-            model_id=MODEL_ID,
+            model_id=self.model_id,
             vocab_size=VOCAB_SIZE,
             context_length=CONTEXT,
             max_top_logprobs=MAX_TOP,
@@ -358,8 +359,8 @@ class ScriptedServicer(pb_grpc.TextGenerationServicer):
 class ScriptedBackend:
     """Runs the scripted servicer (and grpc health, SERVING) on 127.0.0.1 in a thread with its own loop."""
 
-    def __init__(self) -> None:
-        self.servicer = ScriptedServicer()
+    def __init__(self, model_id: str = MODEL_ID) -> None:
+        self.servicer = ScriptedServicer(model_id)
         self.address = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None

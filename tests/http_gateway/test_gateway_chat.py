@@ -71,20 +71,22 @@ both = pytest.mark.parametrize("streamed", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize(
     "flag", [{}, {"logprobs": False}, {"logprobs": None}], ids=["absent", "false", "null"]
 )
-def test_logprobs_absent_or_false_is_null_with_the_key_present(gateway, streamed, flag) -> None:
+def test_logprobs_absent_or_false_is_null_with_the_key_present(scripted_gateway, streamed, flag) -> None:
     if not streamed:
-        data = post(gateway.http, CHAT, body(gateway, **flag))
+        data = post(scripted_gateway.http, CHAT, body(scripted_gateway, **flag))
         assert "logprobs" in data["choices"][0] and data["choices"][0]["logprobs"] is None
     else:
-        chunks = stream(gateway.http, CHAT, body(gateway, **flag))
+        chunks = stream(scripted_gateway.http, CHAT, body(scripted_gateway, **flag))
         for c in chunks:
             for ch in c["choices"]:
                 assert "logprobs" in ch and ch["logprobs"] is None
 
 
 @both
-def test_logprobs_true_without_top_logprobs_gives_every_entry_empty_top_logprobs(gateway, streamed) -> None:
-    choices, _ = run(gateway, body(gateway, logprobs=True), streamed)
+def test_logprobs_true_without_top_logprobs_gives_every_entry_empty_top_logprobs(
+    scripted_gateway, streamed
+) -> None:
+    choices, _ = run(scripted_gateway, body(scripted_gateway, logprobs=True), streamed)
     assert choices[0]["logprobs"]["refusal"] is None
     assert choices[0]["entries"]
     for e in choices[0]["entries"]:
@@ -137,10 +139,10 @@ def test_entries_hold_raw_bytes_and_escape_split_characters(scripted_gateway, st
 
 
 @both
-def test_bytes_concatenate_to_content_for_any_backend(gateway, streamed) -> None:
+def test_bytes_concatenate_to_content(scripted_gateway, streamed) -> None:
     choices, _ = run(
-        gateway,
-        body(gateway, "Write one short sentence.", logprobs=True, top_logprobs=3, temperature=0),
+        scripted_gateway,
+        body(scripted_gateway, "Write one short sentence.", logprobs=True, top_logprobs=3, temperature=0),
         streamed,
     )
     check_chat_choice(choices[0], logprobs=True, k=3)
@@ -166,7 +168,7 @@ def test_eos_is_neither_an_entry_nor_counted(scripted_gateway, streamed, with_lo
 
 @both
 def test_completion_tokens_equal_entries_when_generation_stops_for_any_backend(gateway, streamed) -> None:
-    choices, usage = run(gateway, body(gateway, logprobs=True, max_tokens=64, temperature=0), streamed)
+    choices, usage = run(gateway, body(gateway, logprobs=True, max_tokens=16, temperature=0), streamed)
     if choices[0]["finish_reason"] == "stop":
         assert usage["completion_tokens"] == len(choices[0]["entries"])
 
@@ -194,7 +196,15 @@ def test_an_eos_alternative_is_named_by_its_special_text(scripted_gateway, strea
 
 
 def test_streamed_entries_concatenate_to_the_non_streamed_result(gateway) -> None:
-    req = body(gateway, "say:Hi 😀 there, how are you?", logprobs=True, top_logprobs=2, seed=7, temperature=0)
+    req = body(
+        gateway,
+        "say:Hi 😀 there, how are you?",
+        logprobs=True,
+        top_logprobs=2,
+        seed=7,
+        temperature=0,
+        max_tokens=8,
+    )
     (full,), usage = run(gateway, req, streamed=False)
     (streamed,), s_usage = run(gateway, req, streamed=True)
     assert streamed["content"] == full["content"]
@@ -203,8 +213,8 @@ def test_streamed_entries_concatenate_to_the_non_streamed_result(gateway) -> Non
     assert s_usage == usage
 
 
-def test_stream_without_include_usage_has_no_usage_key_and_ends_with_done(gateway) -> None:
-    chunks = stream(gateway.http, CHAT, body(gateway))
+def test_stream_without_include_usage_has_no_usage_key_and_ends_with_done(scripted_gateway) -> None:
+    chunks = stream(scripted_gateway.http, CHAT, body(scripted_gateway))
     assert all("usage" not in c for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunks[-1]["choices"][0]["delta"] == {} and chunks[-1]["choices"][0]["finish_reason"] is not None

@@ -1,0 +1,252 @@
+"""The gateway's side of the gRPC link: what it sends, model discovery, health, round-robin and failover,
+cancellation on client disconnect, and the `tpuserve gateway` entry point."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from gateway_checks import check_spec, post, strict_json
+from gateway_harness import GatewayServer
+from scripted_backend import CREATED, MODEL_ID, ScriptedBackend, encode
+from tpuserve.http_gateway.serve import parse_args
+from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def last_request(gw) -> pb.GenerateRequest:
+    return gw.scripted.servicer.requests[-1]
+
+
+# ---- routes ----------------------------------------------------------------------------------------------
+
+
+def test_models_lists_the_backend_model(gateway) -> None:
+    r = gateway.http.get("/v1/models")
+    data = strict_json(r.text)
+    check_spec(data, "ListModelsResponse")
+    assert [m["id"] for m in data["data"]] == [gateway.model]
+    one = strict_json(gateway.http.get(f"/v1/models/{gateway.model}").text)
+    check_spec(one, "Model")
+    assert one["id"] == gateway.model and one["object"] == "model"
+
+
+def test_model_card_uses_backend_info(scripted_gateway) -> None:
+    data = scripted_gateway.http.get("/v1/models").json()
+    assert data["data"] == [{"id": MODEL_ID, "object": "model", "created": CREATED, "owned_by": "tpuserve"}]
+    assert scripted_gateway.http.get("/v1/models/nope").status_code == 404
+
+
+def test_health_is_200_when_a_backend_serves(gateway) -> None:
+    r = gateway.http.get("/health")
+    assert r.status_code == 200
+
+
+# ---- request mapping -------------------------------------------------------------------------------------
+
+
+def test_chat_defaults_reach_the_backend(scripted_gateway) -> None:
+    post(scripted_gateway.http, CHAT, {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}]})
+    sent = last_request(scripted_gateway)
+    assert sent.sampling.temperature == 1.0 and not sent.sampling.HasField("top_p")
+    assert not sent.sampling.HasField("seed")
+    assert not sent.stopping.HasField("max_tokens") and list(sent.stopping.stop) == []
+    assert not sent.logprobs.enabled and sent.logprobs.top_logprobs == 0 and not sent.logprobs.prompt_logprobs
+    assert sent.n == 1 and sent.request_id.startswith("chatcmpl-")
+
+
+def test_chat_parameters_reach_the_backend(scripted_gateway) -> None:
+    post(
+        scripted_gateway.http,
+        CHAT,
+        {
+            "model": MODEL_ID,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "temperature": 0,
+            "top_p": 0.5,
+            "seed": -1,
+            "stop": "x",
+            "max_tokens": 7,
+            "max_completion_tokens": 5,
+            "n": 2,
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
+    )
+    sent = last_request(scripted_gateway)
+    assert sent.sampling.temperature == 0.0 and sent.sampling.top_p == 0.5
+    assert sent.sampling.seed == 2**64 - 1
+    assert list(sent.stopping.stop) == ["x"] and sent.stopping.max_tokens == 5
+    assert sent.n == 2 and sent.logprobs.enabled and sent.logprobs.top_logprobs == 3
+
+
+def test_completion_parameters_reach_the_backend(scripted_gateway) -> None:
+    post(scripted_gateway.http, COMPLETIONS, {"model": MODEL_ID, "prompt": "Hi"})
+    sent = last_request(scripted_gateway)
+    assert sent.WhichOneof("prompt") == "text" and sent.text == "Hi"
+    assert sent.stopping.max_tokens == 16 and not sent.logprobs.enabled
+    post(
+        scripted_gateway.http,
+        COMPLETIONS,
+        {
+            "model": MODEL_ID,
+            "prompt": [5, 6],
+            "echo": True,
+            "logprobs": 2,
+            "max_tokens": 0,
+            "seed": 42,
+            "stop": ["a", "b"],
+        },
+    )
+    sent = last_request(scripted_gateway)
+    assert sent.WhichOneof("prompt") == "token_ids" and list(sent.token_ids.ids) == [5, 6]
+    assert sent.logprobs.enabled and sent.logprobs.top_logprobs == 2 and sent.logprobs.prompt_logprobs
+    assert (
+        sent.stopping.max_tokens == 0 and sent.sampling.seed == 42 and list(sent.stopping.stop) == ["a", "b"]
+    )
+
+
+def test_echo_without_logprobs_does_not_ask_for_prompt_logprobs(scripted_gateway) -> None:
+    data = post(scripted_gateway.http, COMPLETIONS, {"model": MODEL_ID, "prompt": "say:x", "echo": True})
+    assert data["choices"][0]["text"] == "say:xx"
+    sent = last_request(scripted_gateway)
+    assert not sent.logprobs.prompt_logprobs and not sent.logprobs.enabled
+
+
+def test_batched_prompts_are_one_backend_request_each(scripted_gateway) -> None:
+    before = len(scripted_gateway.scripted.servicer.requests)
+    post(scripted_gateway.http, COMPLETIONS, {"model": MODEL_ID, "prompt": ["a", "b", "c"], "n": 2})
+    sent = scripted_gateway.scripted.servicer.requests[before:]
+    assert sorted(r.text for r in sent) == ["a", "b", "c"] and all(r.n == 2 for r in sent)
+    assert len({r.request_id for r in sent}) == 3
+
+
+# ---- several backends ------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def two_backends():
+    backends = [ScriptedBackend().start(), ScriptedBackend().start()]
+    yield backends
+    for b in backends:
+        b.stop()
+
+
+def test_requests_go_round_robin_and_fail_over_when_a_backend_goes_away(two_backends) -> None:
+    a, b = two_backends
+    server = GatewayServer([a.address, b.address]).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as http:
+            body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+            for _ in range(4):
+                post(http, CHAT, body)
+            assert len(a.servicer.requests) == 2 and len(b.servicer.requests) == 2
+            b.stop()
+            for _ in range(3):
+                post(http, CHAT, body)
+            assert len(a.servicer.requests) == 5
+            assert http.get("/health").status_code == 200
+    finally:
+        server.stop()
+
+
+def test_backends_serving_different_models() -> None:
+    a, b = ScriptedBackend("model-a").start(), ScriptedBackend("model-b").start()
+    server = GatewayServer([a.address, b.address]).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as http:
+            assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["model-a", "model-b"]
+            for model, backend in (("model-b", b), ("model-a", a)):
+                post(http, COMPLETIONS, {"model": model, "prompt": "x", "max_tokens": 1})
+                assert len(backend.servicer.requests) == 1
+    finally:
+        server.stop()
+        a.stop()
+        b.stop()
+
+
+# ---- cancellation ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_client_disconnect_cancels_the_backend_call(scripted_gateway, path) -> None:
+    prompt = "slow:loop:ab"
+    body = {"model": MODEL_ID, "max_tokens": 2000, "stream": True}
+    body.update({"messages": [{"role": "user", "content": prompt}]} if path == CHAT else {"prompt": prompt})
+    servicer = scripted_gateway.scripted.servicer
+    with (
+        httpx.Client(base_url=scripted_gateway.url, timeout=10) as http,
+        http.stream("POST", path, json=body) as r,
+    ):
+        lines = r.iter_lines()
+        seen = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in seen)
+        request_id = servicer.requests[-1].request_id
+    deadline = time.monotonic() + 5
+    while request_id not in servicer.cancelled and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert request_id in servicer.cancelled
+
+
+# ---- entry point -----------------------------------------------------------------------------------------
+
+
+def test_parse_args_reads_repeated_backends_and_the_key_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("TPUSERVE_API_KEY", "from-env")
+    args = parse_args(["gateway", "--backend", "a:1", "--backend", "b:2", "--port", "9000"])
+    assert args.backend == ["a:1", "b:2"] and args.port == 9000 and args.api_key == "from-env"
+    assert parse_args(["--backend", "a:1", "--api-key", "flag"]).api_key == "flag"
+    monkeypatch.delenv("TPUSERVE_API_KEY")
+    assert parse_args(["--backend", "a:1"]).api_key is None
+
+
+def test_gateway_entry_point_serves(scripted) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "TPUSERVE_API_KEY": "k1"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tpuserve.http_gateway.serve",
+            "--backend",
+            scripted.address,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "gateway did not come up"
+            time.sleep(0.05)
+        assert httpx.get(url + "/v1/models").status_code == 401
+        r = httpx.post(
+            url + COMPLETIONS,
+            headers={"Authorization": "Bearer k1"},
+            json={"model": MODEL_ID, "prompt": "say:ok"},
+        )
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
+        assert r.json()["usage"]["prompt_tokens"] == len(encode("say:ok", True))
+    finally:
+        proc.terminate()
+        proc.wait(10)
