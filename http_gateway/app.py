@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import AsyncIterator, Awaitable, Callable
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from tpuserve.http_gateway import chat, completions
+from tpuserve.http_gateway.auth import BearerAuth
 from tpuserve.http_gateway.backends import BackendPool
 from tpuserve.http_gateway.errors import APIError, install_handlers
 from tpuserve.http_gateway.request_models import ChatCompletionRequest, CompletionRequest
@@ -16,6 +18,7 @@ from tpuserve.http_gateway.request_parsing import parse_request
 from tpuserve.http_gateway.response_models import ModelCard, ModelList, OpenAIObject
 
 OWNED_BY = "tpuserve"
+T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -29,20 +32,30 @@ def _respond(result: OpenAIObject | AsyncIterator[str]) -> Response:
     return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-def _auth_middleware(
-    api_key: str,
-) -> Callable[[Request, Callable[[Request], Awaitable[Response]]], Awaitable[Response]]:
-    expected = f"Bearer {api_key}".encode()
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Runs `work` (a backend call) but cancels it when the client goes away first, so that an abandoned
+    request frees its backend slots. Streams watch for themselves once the response has started."""
+    task = asyncio.ensure_future(work)
+    gone = False
 
-    async def check(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                message = "You didn't provide an API key." if not given else "Incorrect API key provided."
-                return APIError(401, message, "invalid_request_error", None, "invalid_api_key").response()
-        return await call_next(request)
+    async def watch() -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        task.cancel()
 
-    return check
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if gone:
+            raise APIError(
+                499, "The client closed the request.", "invalid_request_error", None, "client_closed_request"
+            ) from None
+        raise
+    finally:
+        watcher.cancel()
 
 
 def create_app(backends: list[str], api_key: str | None = None, pool: BackendPool | None = None) -> FastAPI:
@@ -64,17 +77,17 @@ def create_app(backends: list[str], api_key: str | None = None, pool: BackendPoo
     app.state.pool = pool
     install_handlers(app)
     if api_key:
-        app.middleware("http")(_auth_middleware(api_key))
+        app.add_middleware(BearerAuth, api_key=api_key)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = parse_request(await request.body(), ChatCompletionRequest)
-        return _respond(await chat.create(pool, req))
+        return _respond(await _unless_disconnected(request, chat.create(pool, req)))
 
     @app.post("/v1/completions")
     async def legacy_completions(request: Request) -> Response:
         req = parse_request(await request.body(), CompletionRequest)
-        return _respond(await completions.create(pool, req))
+        return _respond(await _unless_disconnected(request, completions.create(pool, req)))
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -114,6 +114,9 @@ class BackendPool:
                     last = e
                     continue
                 raise from_grpc(e) from None
+            except BaseException:  # cancelled while waiting (client gone): the backend must know
+                call.cancel()
+                raise
             if first is grpc.aio.EOF:
                 raise APIError(
                     502, "The backend ended the stream without output.", "server_error", None, "backend_error"

@@ -78,20 +78,27 @@ async def create(pool: BackendPool, req: CompletionRequest) -> Completion | Asyn
     return await _complete(jobs, req, request_id)
 
 
-async def _start_all(pool: BackendPool, req: CompletionRequest, prompts: list, request_id: str) -> list:
-    """Start every prompt's stream; if one fails, cancel the others and raise its error."""
+async def _start_all(
+    pool: BackendPool, req: CompletionRequest, prompts: list[str | list[int]], request_id: str
+) -> list[GenerateStream]:
+    """Start every prompt's stream; if one fails (or we are cancelled), cancel the others."""
     tasks = [
         asyncio.ensure_future(pool.generate(req.model, to_proto(req, p, f"{request_id}-{i}")))
         for i, p in enumerate(prompts)
     ]
-    await asyncio.wait(tasks)
-    failed = [t for t in tasks if t.exception() is not None]
-    if failed:
+    try:
+        await asyncio.wait(tasks)
+        failed = [t.exception() for t in tasks if t.exception() is not None]
+        if failed:
+            raise failed[0]  # type: ignore[misc]
+        return [t.result() for t in tasks]
+    except BaseException:
         for t in tasks:
-            if t.exception() is None:
+            if t.done() and not t.cancelled() and t.exception() is None:
                 t.result().cancel()
-        raise failed[0].exception()  # type: ignore[misc]
-    return [t.result() for t in tasks]
+            else:
+                t.cancel()
+        raise
 
 
 async def _prompt_texts(pool: BackendPool, req: CompletionRequest, jobs: list[PromptJob]) -> None:
