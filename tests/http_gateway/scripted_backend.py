@@ -365,6 +365,7 @@ class ScriptedBackend:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
+        self.health: health.aio.HealthServicer | None = None
 
     def start(self) -> ScriptedBackend:
         ready = threading.Event()
@@ -382,9 +383,9 @@ class ScriptedBackend:
     async def _serve(self, ready: threading.Event) -> None:
         server = grpc.aio.server()
         pb_grpc.add_TextGenerationServicer_to_server(self.servicer, server)
-        health_servicer = health.aio.HealthServicer()
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        self.health = health.aio.HealthServicer()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         self.address = f"127.0.0.1:{port}"
@@ -392,6 +393,14 @@ class ScriptedBackend:
         ready.set()
         await self._stop.wait()
         await server.stop(0)
+
+    def set_serving(self, serving: bool) -> None:
+        """Switch the gRPC health status (as a backend does before and after its warm-up)."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(self.health.set("", status), self._loop).result(5)
 
     def stop(self) -> None:
         if self._loop and self._stop:

@@ -49,6 +49,22 @@ def test_health_is_200_when_a_backend_serves(gateway) -> None:
     assert r.status_code == 200
 
 
+def test_health_is_503_while_no_backend_reports_serving() -> None:
+    backend = ScriptedBackend().start()
+    server = GatewayServer([backend.address]).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as http:
+            backend.set_serving(False)  # e.g. still warming up
+            r = http.get("/health")
+            assert r.status_code == 503
+            check_spec(r.json(), "ErrorResponse")
+            backend.set_serving(True)
+            assert http.get("/health").status_code == 200
+    finally:
+        server.stop()
+        backend.stop()
+
+
 # ---- request mapping -------------------------------------------------------------------------------------
 
 
@@ -189,6 +205,22 @@ def test_client_disconnect_cancels_the_backend_call(scripted_gateway, path) -> N
         seen = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: ") for line in seen)
         request_id = servicer.requests[-1].request_id
+    deadline = time.monotonic() + 5
+    while request_id not in servicer.cancelled and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert request_id in servicer.cancelled
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_client_timeout_on_a_non_streamed_request_cancels_the_backend_call(scripted_gateway, path) -> None:
+    prompt = "slow:loop:ab"
+    body = {"model": MODEL_ID, "max_tokens": 2000}
+    body.update({"messages": [{"role": "user", "content": prompt}]} if path == CHAT else {"prompt": prompt})
+    servicer = scripted_gateway.scripted.servicer
+    before = len(servicer.requests)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(scripted_gateway.url + path, json=body, timeout=0.5)
+    request_id = servicer.requests[before].request_id
     deadline = time.monotonic() + 5
     while request_id not in servicer.cancelled and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -264,6 +264,18 @@ def test_best_of_with_n_returns_the_n_best_in_order(scripted_gateway) -> None:
 
 
 @both
+def test_max_tokens_inside_a_character_keeps_complete_characters_and_the_cut_token(
+    scripted_gateway, streamed
+) -> None:
+    prompt = "say:a中"
+    (c,), usage = run(scripted_gateway, body(scripted_gateway, prompt, logprobs=1, max_tokens=2), streamed)
+    assert c["text"] == "a" and c["finish_reason"] == "length"
+    lp = c["logprobs"]
+    assert lp["tokens"] == ["a", "\\xe4"] and lp["text_offset"] == [len(prompt), len(prompt) + 1]
+    assert usage["completion_tokens"] == 2
+
+
+@both
 def test_stop_string_ends_the_text_before_it(scripted_gateway, streamed) -> None:
     (c,), usage = run(
         scripted_gateway, body(scripted_gateway, "say:Hello world", stop=" wor", logprobs=1), streamed
