@@ -107,9 +107,8 @@ async def _chunks(stream: GenerateStream, req: ChatCompletionRequest, request_id
             ]
         )
     prompt_tokens = completion_tokens = 0
-    held: dict[
-        int, list[pb.Token]
-    ] = {}  # a trailing special token waits: it may be the EOS that ends the sample
+    # A trailing special token waits for the sample's next message: it may be the EOS that ends the sample.
+    held: dict[int, list[pb.Token]] = {}
     async for msg in messages(stream):
         tokens = held.pop(msg.index, []) + list(msg.tokens)
         if not msg.finished and tokens and tokens[-1].special:

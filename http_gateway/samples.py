@@ -13,7 +13,6 @@ _FINISH = {
     pb.FINISH_REASON_EOS: "stop",
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_CANCELLED: "stop",
     pb.FINISH_REASON_UNSPECIFIED: "stop",
 }
 
@@ -23,7 +22,16 @@ def finish_reason(msg: pb.GenerateResponse) -> str:
 
 
 def check_message(msg: pb.GenerateResponse) -> pb.GenerateResponse:
-    """A sample that finished with ERROR fails the request."""
+    """A sample that finished with ERROR fails the request; one the backend CANCELLED (its shutdown drain
+    ran out) is a 503, so that clients retry elsewhere instead of taking a cut text as complete."""
+    if msg.finished and msg.finish_reason == pb.FINISH_REASON_CANCELLED:
+        raise APIError(
+            503,
+            "The backend shut down before the request finished.",
+            "server_error",
+            None,
+            "service_unavailable",
+        )
     if msg.finished and msg.finish_reason == pb.FINISH_REASON_ERROR:
         raise APIError(
             500,
