@@ -7,7 +7,8 @@ token per byte (so an emoji or a CJK character is split across tokens with parti
 What a sample generates is scripted by the prompt (the last chat message, or the completion prompt's text):
 - `say:<text>` generates <text> (up to a newline) and then the EOS; no directive: DEFAULT_REPLY then the EOS;
 - `loop:<text>` repeats <text> without an EOS (finish by max_tokens); `slow:` before it sleeps per token;
-- `fail:<CODE>:<message>` aborts with that gRPC status; `failmid:` aborts after the first message.
+- `fail:<CODE>:<message>` aborts with that gRPC status; `failmid:` aborts after the first message;
+  `endwith:<REASON>` ends every sample after its first token with FINISH_REASON_<REASON> (ERROR, CANCELLED).
 
 Logprobs are hand-computable: sample s, token j: `logprob(j, s) = -(0.1 * (j % 5 + 1)) / (s + 1)` (later
 samples are "better", for best_of); alternatives (`alternatives`) put the sampled token first, except at
@@ -162,10 +163,14 @@ class Script:
     slow: bool = False
     fail: tuple[grpc.StatusCode, str] | None = None
     fail_mid: bool = False
+    end_with: int = 0  # a FinishReason that ends every sample after its first token
 
 
 def script_for(text: str) -> Script:
     slow = "slow:" in text
+    if "endwith:" in text:
+        reason = text.split("endwith:", 1)[1].split()[0]
+        return Script(encode("ab", False), end_with=pb.FinishReason.Value(f"FINISH_REASON_{reason}"))
     if "fail:" in text:
         code, _, message = text.split("fail:", 1)[1].partition(":")
         return Script([], fail=(grpc.StatusCode[code.strip()], message.strip()))
@@ -298,6 +303,10 @@ class ScriptedServicer(pb_grpc.TextGenerationServicer):
                 if j >= max_tokens:
                     toks, text = st.flush()
                     msg.finish_reason = pb.FINISH_REASON_LENGTH
+                elif script.end_with and j == 1:
+                    toks, text = [], ""
+                    msg.finish_reason = script.end_with
+                    msg.error_message = "engine failed" if script.end_with == pb.FINISH_REASON_ERROR else ""
                 else:
                     if script.loop:
                         tid = script.ids[j % len(script.ids)]

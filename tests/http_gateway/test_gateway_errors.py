@@ -255,6 +255,21 @@ def test_failure_after_streaming_started_is_an_error_event_then_done(scripted_ga
     assert last["error"]["message"] == "engine failed mid-stream"
 
 
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize(("reason", "status"), [("ERROR", 500), ("CANCELLED", 503)])
+def test_a_sample_ended_by_error_or_backend_shutdown_is_not_a_normal_finish(
+    scripted_gateway, path, reason, status
+) -> None:
+    prompt = f"endwith:{reason}"
+    body = (chat if path == CHAT else completion)(scripted_gateway, max_tokens=10)
+    body.update({"messages": [{"role": "user", "content": prompt}]} if path == CHAT else {"prompt": prompt})
+    err = error(scripted_gateway.http, path, body, status)
+    assert err["type"] == "server_error"
+    r = scripted_gateway.http.post(path, json={**body, "stream": True})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
+
+
 def test_no_backend_is_503(dead_gateway) -> None:
     err = error(
         dead_gateway.http, CHAT, {"model": "any", "messages": [{"role": "user", "content": "x"}]}, 503
