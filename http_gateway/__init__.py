@@ -1,1 +1,17 @@
-"""tpuserve.http_gateway."""
+"""tpuserve.http_gateway: the OpenAI-compatible HTTP front end. It talks to backends only over gRPC (the proto
+stubs) and never imports JAX, so it runs as a small separate process in front of one or more backends.
+
+  app.py              create_app(): routes, lifespan of the backend pool, disconnect -> cancel
+  serve.py            main(argv): `tpuserve gateway --backend HOST:PORT ... [--port] [--api-key]` (uvicorn)
+  auth.py             bearer-token check for /v1/* (constant time)
+  backends.py         grpc.aio channels, model discovery, health, round-robin + failover on UNAVAILABLE
+  request_models.py   request bodies with the spec's bounds (extra fields forbidden)
+  request_parsing.py  body bytes -> model, or a 400 naming the offending field
+  proto_mapping.py    shared request fields -> SamplingParams / StoppingCriteria
+  chat.py             /v1/chat/completions (JSON and SSE)
+  completions.py      /v1/completions (JSON and SSE; batched/token-id prompts, echo, best_of)
+  samples.py          backend messages -> per-sample results, finish reasons
+  logprobs.py         raw token bytes -> chat and legacy logprob JSON (design.md "Logprob rules")
+  response_models.py  response bodies
+  errors.py / sse.py  OpenAI error shape and gRPC status mapping / SSE framing
+"""
