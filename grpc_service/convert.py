@@ -44,13 +44,22 @@ class TokenConverter:
     def _alternatives(self, ids: np.ndarray, logprobs: np.ndarray) -> list[pb.TopLogprob]:
         """ids, logprobs: [K] -> the top `self._top`, sorted by logprob descending."""
         order = np.argsort(-np.asarray(logprobs, np.float64), kind="stable")[: self._top]
-        return [
-            pb.TopLogprob(
-                token_id=int(ids[k]), token_bytes=self._bytes[int(ids[k])], logprob=float(logprobs[k])
+        out = []
+        for k in order.tolist():
+            token_id = int(ids[k])
+            if not 0 <= token_id < len(self._bytes):
+                continue
+            special = token_id in self._special
+            out.append(
+                pb.TopLogprob(
+                    token_id=token_id,
+                    token_bytes=self._bytes[token_id],
+                    logprob=float(logprobs[k]),
+                    special=special,
+                    special_text=self._tokenizer.token_text(token_id) if special else "",
+                )
             )
-            for k in order.tolist()
-            if 0 <= int(ids[k]) < len(self._bytes)
-        ]
+        return out
 
     def generated(self, index: int, out: TokenOut) -> pb.Token:
         token = self.token(index, out.token_id)

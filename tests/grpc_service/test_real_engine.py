@@ -169,3 +169,21 @@ def test_cancelled_streams_free_their_slots(real_backend, engine):
     wait_until(lambda: real_backend.orchestrator.free_slots == engine.slots and not engine._active.any())
     tokens, _, last = samples(generate(real_backend.stub, text="after", **greedy(3)))[0]
     assert last.finish_reason == pb.FINISH_REASON_LENGTH and len(tokens) == 3
+
+
+def test_special_alternatives_carry_their_text(real_backend, embedded):
+    """<|im_end|> offered as an alternative has no bytes: its special_text names it for the renderers."""
+    tok = embedded.tokenizer
+    _, ids = tok.render_chat([{"role": "user", "content": "What is the capital of France?"}])
+    req = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids),
+        sampling=pb.SamplingParams(temperature=0.0),
+        stopping=pb.StoppingCriteria(max_tokens=24),
+        logprobs=pb.LogprobOptions(enabled=True, top_logprobs=20),
+    )
+    alts = [a for r in real_backend.stub.Generate(req) for t in r.tokens for a in t.top_logprobs]
+    specials = [a for a in alts if a.token_id in tok.special_ids]
+    assert specials, "the EOS ending the reply is its own top alternative"
+    for a in specials:
+        assert a.special and a.special_text == tok.token_text(a.token_id) and a.token_bytes == b""
+    assert all(not a.special and a.special_text == "" for a in alts if a.token_id not in tok.special_ids)
