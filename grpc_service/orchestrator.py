@@ -9,6 +9,7 @@ hands each slot's tokens to its sample. It never waits on the network: events re
 from __future__ import annotations
 
 import asyncio
+import heapq
 import collections
 import logging
 import queue
@@ -86,7 +87,8 @@ class Orchestrator:
         self._stopping = threading.Event()
         self._admitting = True
         self._idle_wait_s = idle_wait_s
-        self._free = list(range(engine.slots - 1, -1, -1))  # pop() hands out slot 0 first
+        # a heap: the lowest free slot first, so live slots stay packed and decode runs on a small batch bucket
+        self._free = list(range(engine.slots))
         self._owner: dict[int, tuple[_Running, int]] = {}
         self._running: dict[int, _Running] = {}  # id(stream) -> state
         self._head: RequestStream | None = None  # dequeued, waiting for enough free slots
@@ -231,7 +233,7 @@ class Orchestrator:
             if job.max_tokens == 0:
                 run.outbox.extend(t.end(Finish.LENGTH) for t in trackers)
             for index, params in enumerate(job.samples if job.max_tokens > 0 else ()):
-                slot = self._free.pop()
+                slot = heapq.heappop(self._free)
                 run.slots[index] = slot
                 self._owner[slot] = (run, index)
                 self._on_token(run, index, self.engine.insert(prefix, slot, params))
@@ -265,7 +267,7 @@ class Orchestrator:
             self.engine.release(slot)
         except Exception:
             log.exception("engine.release(%d) failed", slot)
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     def _close_if_done(self, run: _Running) -> None:
         if all(t.finished for t in run.trackers) and self._running.pop(id(run.stream), None) is not None:

@@ -109,7 +109,8 @@ class Llama(nnx.Module):
     def __call__(
         self, tokens: jax.Array, positions: jax.Array, cache: KVCache, attend_len: int
     ) -> tuple[jax.Array, KVCache]:
-        """tokens, positions: [B, T] int32 (contiguous positions per row); cache: rows B of the cache.
+        """tokens, positions: [B, T] int32 (contiguous positions per row) for cache rows 0..B-1 (the cache may
+        hold more rows: decode runs on the smallest batch bucket that covers the live slots).
 
         Writes the T new keys/values at their positions, attends over the first `attend_len` (static) cached
         positions, and returns the final hidden states [B, T, H] (apply `logits` where needed) and the cache.
@@ -135,8 +136,8 @@ class Llama(nnx.Module):
             v = v.reshape(B, T, Hkv, D)
             k_cache = k_cache.at[li, rows, positions].set(k.astype(k_cache.dtype), mode="drop")
             v_cache = v_cache.at[li, rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-            keys = jax.lax.dynamic_slice_in_dim(k_cache[li], 0, attend_len, axis=1)  # [B, A, Hkv, D]
-            vals = jax.lax.dynamic_slice_in_dim(v_cache[li], 0, attend_len, axis=1)
+            keys = k_cache[li][:B, :attend_len]  # [B, A, Hkv, D]: the first B rows (a batch bucket) of the cache
+            vals = v_cache[li][:B, :attend_len]
             qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
             scores = jnp.einsum("btkgd,bakd->bkgta", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32)
             scores = scores * (1.0 / np.sqrt(D))

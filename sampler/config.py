@@ -20,6 +20,10 @@ class EngineConfig:
     min_prefill_bucket: int = 32
     prefill_chunk: int = 512
     min_attend_bucket: int = 128
+    # null: decode always runs all slots (bit-exact batch invariance). A number (e.g. 8): decode runs on the
+    # smallest power-of-two row bucket covering the live slots — lower latency at low load, but a request's
+    # logprobs then vary in the last bits with the load (XLA sums matmuls differently for other row counts).
+    min_batch_bucket: int | None = None
     processed_logprobs: bool = False  # raw logprobs (OpenAI's at temperature 0) unless set
     model_parallel: int = 1           # mesh "model" axis size (heads / MLP / KV heads)
     data_parallel: int = 1            # mesh "data" axis size (slots)

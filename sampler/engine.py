@@ -54,6 +54,7 @@ class JaxEngine(Engine):
         min_prefill_bucket: int = 32,
         prefill_chunk: int = 512,
         min_attend_bucket: int = 128,
+        min_batch_bucket: int | None = None,
         processed_logprobs: bool = False,
         cache_dtype: str | None = None,
         mesh=None,
@@ -67,6 +68,9 @@ class JaxEngine(Engine):
         self.processed_logprobs = processed_logprobs
         self.prefill_buckets = power_of_two_buckets(min(min_prefill_bucket, max_seq_len), max_seq_len)
         self.attend_buckets = power_of_two_buckets(min(min_attend_bucket, max_seq_len), max_seq_len)
+        # Decode on fewer rows when only low slots are live. Off by default: XLA's matmul sums in a different order
+        # for a different row count, so bucketing trades bit-exact batch invariance for single-stream latency.
+        self.batch_buckets = power_of_two_buckets(min(min_batch_bucket or slots, slots), slots)
         module = loaded.module()
         self.graphdef, self.params = nnx.split(module)  # split once; programs merge inside jit
         dtype = jnp.dtype(cache_dtype) if cache_dtype else module.embed.value.dtype
@@ -136,15 +140,25 @@ class JaxEngine(Engine):
 
     def generate(self) -> StepArrays:
         with self._lock:
-            longest = int(self._lengths[self._active].max()) if self._active.any() else 0
+            live = np.flatnonzero(self._active)
+            longest = int(self._lengths[live].max()) if live.size else 0
             attend = bucket_for(min(longest + self.steps_per_call, self.max_seq_len), self.attend_buckets)
-            self.state, outs = self._decode(self.params, self.state, attend_len=attend)
+            batch = bucket_for(int(live.max()) + 1 if live.size else 1, self.batch_buckets)
+            self.state, outs = self._decode(self.params, self.state, attend_len=attend, batch=batch)
             for a in outs:
                 a.copy_to_host_async()
-            ids, lps, top_ids, top_vals, valid, done = (np.asarray(a) for a in outs)
+            ids, lps, top_ids, top_vals, valid, done = (self._pad(np.asarray(a)) for a in outs)
             self._lengths += valid.sum(axis=0)
             self._active &= ~done.any(axis=0)
         return StepArrays(ids, lps, top_ids, top_vals, valid, done)
+
+    def _pad(self, a: np.ndarray) -> np.ndarray:
+        """[N, batch, ...] -> [N, slots, ...]: slots past the batch bucket were not run (valid/done False)."""
+        if a.shape[1] == self.slots:
+            return a
+        out = np.zeros((a.shape[0], self.slots) + a.shape[2:], a.dtype)
+        out[:, : a.shape[1]] = a
+        return out
 
     def release(self, slot: int) -> None:
         with self._lock:
@@ -154,7 +168,7 @@ class JaxEngine(Engine):
     # -- start-up -----------------------------------------------------------------------------------------------
     def warm_up(self, prompt_logprobs: bool = True) -> None:
         """Compile every program the serving loop can call: prefill per bucket (with and without prompt
-        logprobs), insert per bucket, decode per attended-length bucket. Leaves all slots free."""
+        logprobs), insert per bucket, decode per (attended-length, batch) bucket. Leaves all slots free."""
         params = SlotParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=5, seed=0)
         for bucket in self.prefill_buckets:
             for want in (False, True) if prompt_logprobs else (False,):
@@ -162,8 +176,9 @@ class JaxEngine(Engine):
             self.insert(prefix, 0, params)
             self.release(0)
         for attend in self.attend_buckets:
-            with self._lock:
-                self.state, outs = self._decode(self.params, self.state, attend_len=attend)
-                jax.block_until_ready(outs)
+            for batch in self.batch_buckets:
+                with self._lock:
+                    self.state, outs = self._decode(self.params, self.state, attend_len=attend, batch=batch)
+                    jax.block_until_ready(outs)
         self._lengths[:] = 0
         self._active[:] = False

@@ -26,6 +26,7 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> JaxEng
         min_prefill_bucket=cfg.min_prefill_bucket,
         prefill_chunk=cfg.prefill_chunk,
         min_attend_bucket=cfg.min_attend_bucket,
+        min_batch_bucket=cfg.min_batch_bucket,
         processed_logprobs=cfg.processed_logprobs,
         mesh=mesh,
     )

@@ -109,29 +109,32 @@ def build_programs(graphdef: Any, cfg: ProgramConfig, max_seq_len: int):
         )
         return state, (ids[0], token_lp[0], top_ids[0], top_vals[0], done[0])
 
-    @functools.partial(jax.jit, static_argnames=("attend_len",), donate_argnums=(1,))
-    def decode(params, state: DecodeState, attend_len: int):
-        """N fused decode steps over all slots; finished and empty slots are masked, not branched."""
+    @functools.partial(jax.jit, static_argnames=("attend_len", "batch"), donate_argnums=(1,))
+    def decode(params, state: DecodeState, attend_len: int, batch: int):
+        """N fused decode steps over slots 0..batch-1 (a static bucket covering every live slot); finished and
+        empty slots are masked, not branched. Outputs are [N, batch]."""
         m = model(params)
+        small = jax.tree.map(lambda a: a[:batch], state.replace(cache=None))
 
-        def step(state: DecodeState, _):
-            positions = jnp.minimum(state.lengths, max_seq_len - 1)
-            hidden, cache = m(state.last[:, None], positions[:, None], state.cache, attend_len)
+        def step(carry, _):
+            s, cache = carry
+            positions = jnp.minimum(s.lengths, max_seq_len - 1)
+            hidden, cache = m(s.last[:, None], positions[:, None], cache, attend_len)
             logits = m.logits(hidden[:, 0])
-            p = {"keys": state.keys, "temperature": state.temperature, "top_p": state.top_p,
-                 "top_k": state.top_k, "min_p": state.min_p}  # fmt: skip
+            p = {"keys": s.keys, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                 "min_p": s.min_p}  # fmt: skip
             ids, token_lp, top_ids, top_vals = _step_outputs(logits, p, positions + 1, cfg)
-            valid = state.active
-            lengths = jnp.where(valid, state.lengths + 1, state.lengths)
-            generated = jnp.where(valid, state.generated + 1, state.generated)
-            done = valid & _is_done(ids, generated, state.max_tokens, state.stop_ids, lengths, max_seq_len)
-            state = state.replace(
-                cache=cache, lengths=lengths, generated=generated, active=valid & ~done,
-                last=jnp.where(valid, ids, state.last),
-            )  # fmt: skip
-            return state, (ids, token_lp, top_ids, top_vals, valid, done)
+            valid = s.active
+            lengths = jnp.where(valid, s.lengths + 1, s.lengths)
+            generated = jnp.where(valid, s.generated + 1, s.generated)
+            done = valid & _is_done(ids, generated, s.max_tokens, s.stop_ids, lengths, max_seq_len)
+            s = s.replace(lengths=lengths, generated=generated, active=valid & ~done,
+                          last=jnp.where(valid, ids, s.last))  # fmt: skip
+            return (s, cache), (ids, token_lp, top_ids, top_vals, valid, done)
 
-        return jax.lax.scan(step, state, None, length=cfg.steps)
+        (small, cache), outs = jax.lax.scan(step, (small, state.cache), None, length=cfg.steps)
+        merged = jax.tree.map(lambda full, part: full.at[:batch].set(part), state.replace(cache=None), small)
+        return merged.replace(cache=cache), outs
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def release(state: DecodeState, slot):

@@ -81,6 +81,28 @@ def test_prompt_logprobs_equal_teacher_forced_reference(engine, embedded, hf_ref
     assert (plp.top_ids[:, :5] == np.argsort(-ref[:-1], -1)[:, :5]).all()
 
 
+def test_batch_buckets_decode_only_the_live_rows(embedded, engine):
+    """With min_batch_bucket, a lone request in slot 0 decodes on 8 rows: same tokens, logprobs equal to the
+    last bits' noise (not bit-exact: see EngineConfig.min_batch_bucket)."""
+    from tpuserve.sampler.engine import JaxEngine
+
+    bucketed = JaxEngine(embedded, slots=16, max_seq_len=128, steps_per_call=8, min_batch_bucket=8)
+    assert bucketed.batch_buckets == [8, 16]
+    calls = []
+    decode = bucketed._decode
+    bucketed._decode = lambda *a, **k: calls.append(k["batch"]) or decode(*a, **k)
+    ids = embedded.tokenizer.encode(PROMPTS[1])
+    params = SlotParams(max_tokens=10, temperature=0.0)
+    lone, _ = run(bucketed, [(0, ids, params)])
+    assert set(calls) == {8}
+    calls.clear()
+    high, _ = run(bucketed, [(12, ids, params)])  # a live slot past 8 needs the 16-row program
+    assert set(calls) == {16}
+    full, _ = run(engine, [(0, ids, params)])
+    assert lone[0][0] == high[12][0] == full[0][0]
+    assert np.abs(np.array(lone[0][1]) - np.array(full[0][1])).max() < 1e-5
+
+
 def test_long_prompt_is_prefilled_in_chunks(embedded):
     from tpuserve.sampler.engine import JaxEngine
 
