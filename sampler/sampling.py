@@ -2,7 +2,7 @@
 
 Sampling is the Gumbel-max trick over the (filtered) scaled logits: exact categorical sampling in O(V) with no
 vocabulary sort. Top-k / top-p thresholds come from the 256 most likely tokens; only when some slot's nucleus
-reaches past them does a full sort run (under `lax.cond`, so the common case never pays for it).
+reaches past them does a bisection over the whole vocabulary run (under `lax.cond`).
 """
 
 from __future__ import annotations
@@ -42,23 +42,36 @@ def _thresholds_from_sorted(sorted_scaled: jax.Array, lse: jax.Array, top_p: jax
     return jnp.where(p_on | k_on, thr, NEG_INF), exact
 
 
+def _bisect_threshold(scaled: jax.Array, lse: jax.Array, top_p: jax.Array, top_k: jax.Array, iters: int = 40):
+    """Exact thresholds without a vocabulary sort (a [64, 49152] sort took 670 ms on XLA:CPU): bisect for the
+    largest t whose kept set {scaled >= t} still holds top_p of the mass (and, separately, top_k tokens)."""
+    probs = jnp.exp(scaled - lse[:, None])
+    lo0 = jnp.min(jnp.where(jnp.isfinite(scaled), scaled, jnp.inf), axis=-1) - 1.0  # keeps everything
+    hi0 = jnp.max(scaled, axis=-1) + 1.0  # keeps nothing
+
+    def body(_, c):
+        lo_p, hi_p, lo_k, hi_k = c
+        mid_p, mid_k = (lo_p + hi_p) / 2, (lo_k + hi_k) / 2
+        ok_p = jnp.sum(jnp.where(scaled >= mid_p[:, None], probs, 0.0), axis=-1) >= top_p
+        ok_k = jnp.sum(scaled >= mid_k[:, None], axis=-1) >= top_k
+        return (jnp.where(ok_p, mid_p, lo_p), jnp.where(ok_p, hi_p, mid_p),
+                jnp.where(ok_k, mid_k, lo_k), jnp.where(ok_k, hi_k, mid_k))  # fmt: skip
+
+    lo_p, _, lo_k, _ = jax.lax.fori_loop(0, iters, body, (lo0, hi0, lo0, hi0))
+    thr_p = jnp.where(top_p < 1.0, lo_p, NEG_INF)
+    thr_k = jnp.where(top_k > 0, lo_k, NEG_INF)
+    return jnp.maximum(thr_p, thr_k)
+
+
 def filter_threshold(scaled: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
     """Per-slot logit threshold for top-k / top-p ([B]); -inf where no filtering applies."""
     lse = jax.nn.logsumexp(scaled, axis=-1)
     W = min(FILTER_WIDTH, scaled.shape[-1])
-
-    def from_top(_):
-        vals, _ = jax.lax.top_k(scaled, W)
-        return _thresholds_from_sorted(vals, lse, top_p, top_k)
-
-    thr, exact = from_top(None)
-    needs_full = jnp.any(~exact)
-
-    def full(_):
-        vals = -jnp.sort(-scaled, axis=-1)
-        return _thresholds_from_sorted(vals, lse, top_p, top_k)[0]
-
-    return jax.lax.cond(needs_full, full, lambda _: thr, None)
+    vals, _ = jax.lax.top_k(scaled, W)
+    thr, exact = _thresholds_from_sorted(vals, lse, top_p, top_k)
+    return jax.lax.cond(
+        jnp.all(exact), lambda _: thr, lambda _: _bisect_threshold(scaled, lse, top_p, top_k), None
+    )
 
 
 def processed_logits(logits: jax.Array, temperature, top_p, top_k, min_p) -> jax.Array:
