@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from tpuserve.model.llama import KVCache, init_cache
-from tpuserve.sampler.sampling import sample, top_logprobs
+from tpuserve.sampler.sampling import processed_logits, sample, top_logprobs
 from tpuserve.sampler.state import DecodeState
 
 
@@ -24,26 +24,19 @@ class ProgramConfig:
     processed_logprobs: bool = False
 
 
-def _token_logprobs(logits: jax.Array, proc: jax.Array, temperature: jax.Array, processed: bool) -> jax.Array:
-    """[B, V] logprobs reported to users: raw (log_softmax of the model's logits) or processed."""
-    raw = jax.nn.log_softmax(logits, axis=-1)
-    if not processed:
-        return raw
-    return jnp.where((temperature > 0)[:, None], jax.nn.log_softmax(proc, axis=-1), raw)
-
-
 def _step_outputs(logits, state_like, positions, cfg: ProgramConfig):
-    """Sample one token per row and gather its logprob and the top-K. logits: [B, V]."""
-    raw_lp = jax.nn.log_softmax(logits, axis=-1)
-    top_vals_raw, top_ids_raw = top_logprobs(raw_lp, cfg.K)
+    """Sample one token per row and gather its logprob and the top-K. logits: [B, V].
+
+    Raw logprobs (log_softmax of the model's logits) unless cfg.processed_logprobs: then, for sampled rows, the
+    log_softmax of the temperature-scaled, filtered logits that were sampled from."""
     s = state_like
-    ids, proc = sample(logits, top_ids_raw[:, 0], s["keys"], positions, s["temperature"], s["top_p"], s["top_k"],
-                       s["min_p"])  # fmt: skip
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    top_vals, top_ids = top_logprobs(lp, cfg.K)
+    ids = sample(logits, top_ids[:, 0], s["keys"], positions, s["temperature"], s["top_p"], s["top_k"], s["min_p"])
     if cfg.processed_logprobs:
-        lp = _token_logprobs(logits, proc, s["temperature"], True)
+        proc = processed_logits(logits, s["temperature"], s["top_p"], s["top_k"], s["min_p"])
+        lp = jnp.where((s["temperature"] > 0)[:, None], jax.nn.log_softmax(proc, axis=-1), lp)
         top_vals, top_ids = top_logprobs(lp, cfg.K)
-    else:
-        lp, top_vals, top_ids = raw_lp, top_vals_raw, top_ids_raw
     token_lp = jnp.take_along_axis(lp, ids[:, None], axis=-1)[:, 0]
     return ids, token_lp, top_ids, top_vals
 

@@ -47,10 +47,10 @@ def test_sampling_follows_the_distribution_and_greedy_at_zero_temperature():
     B = 4000
     rows = jnp.repeat(logits, B, axis=0)
     keys = jax.random.key_data(jax.random.split(jax.random.PRNGKey(3), B)).astype(jnp.uint32)
-    ids, _ = sample(rows, jnp.zeros(B, jnp.int32), keys, jnp.arange(B), jnp.ones(B), jnp.ones(B),
+    ids = sample(rows, jnp.zeros(B, jnp.int32), keys, jnp.arange(B), jnp.ones(B), jnp.ones(B),
                     jnp.zeros(B, jnp.int32), jnp.zeros(B))  # fmt: skip
     freq = np.bincount(np.asarray(ids), minlength=4) / B
     assert np.abs(freq[:3] - [0.5, 0.3, 0.2]).max() < 0.03 and freq[3] == 0
-    greedy, _ = sample(rows[:2], jnp.zeros(2, jnp.int32) + 7, keys[:2], jnp.arange(2), jnp.zeros(2), jnp.ones(2),
+    greedy = sample(rows[:2], jnp.zeros(2, jnp.int32) + 7, keys[:2], jnp.arange(2), jnp.zeros(2), jnp.ones(2),
                        jnp.zeros(2, jnp.int32), jnp.zeros(2))  # fmt: skip
     assert np.asarray(greedy).tolist() == [7, 7]  # temperature 0 takes the greedy ids as given
