@@ -13,6 +13,19 @@ import subprocess
 import sys
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def _die_with_parent() -> None:
+    """In the backend child: receive SIGTERM if this process dies without stopping it (Linux prctl)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tpuserve serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default=os.environ.get("HOST", "0.0.0.0"))
@@ -28,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         backend_cmd += ["--model", args.model]
     if args.config:
         backend_cmd += ["--config", args.config]
-    backend = subprocess.Popen(backend_cmd)
+    backend = subprocess.Popen(backend_cmd, preexec_fn=_die_with_parent)
+    # uvicorn restores the previous SIGTERM handler after its graceful shutdown and re-raises the signal: with
+    # Python's default handler that would kill this process before `finally` stops the backend.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     gateway_argv = ["--backend", f"127.0.0.1:{args.grpc_port}", "--host", args.host, "--port", str(args.port)]
     if args.api_key:
         gateway_argv += ["--api-key", args.api_key]
