@@ -10,8 +10,15 @@ Every row is a ratio against a baseline measured in the same run, next to the ab
     one decode step.
   * decode step time at max_seq_len 2048 vs 256: two engines, the same ~90-token prompts, calls interleaved.
   * compiles after warm-up: a jax.monitoring listener on backend compiles while the warmed engine serves.
+  * engine batch 1 with `min_batch_bucket=8` (a 64-slot engine that decodes only the 8 rows covering slot 0)
+    vs HF batch 1: the latency option.
   * gRPC: 32 concurrent streaming clients against the real server (in-process, its own event-loop thread)
     vs the same 32 requests driven on the engine directly.
+  * HTTP: 1 and 32 concurrent httpx clients streaming POST /v1/completions (token-id prompts, temperature 0,
+    stream_options.include_usage) through the OpenAI gateway (uvicorn in a background thread) in front of that
+    gRPC server, vs the same requests driven on the engine directly. The API has no ignore_eos, so these rows
+    use the prompts whose greedy continuation does not reach EOS within the token budget, and tokens are
+    counted from the chunks (one per content chunk) with the total taken from `usage`.
 Targets (from the issue) are checked as PASS/MISS.
 """
 
@@ -51,6 +58,7 @@ LONG_PROMPT = (
     "faster than scribes. Within fifty years presses had spread to more than two hundred cities across Europe, "
     "and the cost of books fell sharply, which"
 )
+STREAM_PROMPTS = PROMPTS[1:]  # the streaming rows: greedy SmolLM2 runs PROMPTS[0] into EOS after ~30 tokens
 
 
 @dataclass
@@ -254,29 +262,71 @@ def inprocess_streams(engine, prompts: list[list[int]], max_tokens: int):
     return len(prompts) * max_tokens / (end - start), streams, call_s
 
 
-def grpc_streams(engine, tokenizer, model_id: str, prompts: list[list[int]], max_tokens: int):
-    """The same requests from concurrent grpc.aio clients to the real server (its own event-loop thread)."""
+class ServerThread:
+    """The real gRPC server on the engine (its own event-loop thread) and, on demand, the OpenAI gateway in
+    front of it (uvicorn, another thread). The engine must not be driven directly while this runs."""
+
+    def __init__(self, engine, tokenizer, model_id: str) -> None:
+        from tpuserve.grpc_service.server import start_server
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="bench-grpc-server", daemon=True)
+        self.thread.start()
+        self.server = self.call(start_server(engine, tokenizer, model_id))
+
+        async def ready():
+            await self.server.ready
+
+        self.call(ready())
+        self.port = self.server.port
+        self.gateway = None
+        self.gateway_thread = None
+        self.gateway_port = 0
+
+    def call(self, coro, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start_gateway(self) -> None:
+        import socket
+
+        import uvicorn
+        from tpuserve.http_gateway.app import create_app
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))  # a free port, held from here on
+        self.gateway_port = sock.getsockname()[1]
+        app = create_app(backends=[f"127.0.0.1:{self.port}"])
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False)
+        self.gateway = uvicorn.Server(config)
+        self.gateway_thread = threading.Thread(
+            target=self.gateway.run, kwargs={"sockets": [sock]}, name="bench-gateway", daemon=True
+        )
+        self.gateway_thread.start()
+        deadline = time.monotonic() + 60
+        while not self.gateway.started:
+            if not self.gateway_thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP gateway did not start")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        if self.gateway is not None:
+            self.gateway.should_exit = True
+            self.gateway_thread.join(30)
+        self.call(self.server.shutdown(drain_timeout_s=1.0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+def grpc_streams(port: int, prompts: list[list[int]], max_tokens: int):
+    """The requests from concurrent grpc.aio clients to the server: (end-to-end tok/s, per-stream messages)."""
     import grpc
-    from tpuserve.grpc_service.server import start_server
     from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
     from tpuserve.proto.tpuserve.v1 import tpuserve_pb2_grpc as pb_grpc
 
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="bench-grpc-server", daemon=True)
-    thread.start()
-
-    def call(coro, timeout=60.0):
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
-
-    server = call(start_server(engine, tokenizer, model_id))
-
-    async def ready():
-        await server.ready
-
-    call(ready())
-
     async def clients() -> tuple[float, list[list[tuple[float, int]]]]:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.TextGenerationStub(channel)
 
             async def one(ids: list[int]) -> list[tuple[float, int]]:
@@ -296,13 +346,70 @@ def grpc_streams(engine, tokenizer, model_id: str, prompts: list[list[int]], max
         assert all(sum(n for _, n in s) == max_tokens for s in streams)
         return len(prompts) * max_tokens / (end - start), streams
 
-    try:
-        return asyncio.run(clients())
-    finally:
-        call(server.shutdown(drain_timeout_s=1.0))
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    return asyncio.run(clients())
+
+
+def http_streams(port: int, model_id: str, prompts: list[list[int]], max_tokens: int):
+    """The requests from concurrent httpx clients streaming POST /v1/completions through the gateway:
+    (end-to-end tok/s, per-stream [(time, tokens)], tokens received). A content chunk counts as one token (the
+    gateway sends one per backend message, i.e. per token); the stream's last chunk is credited with whatever
+    `usage.completion_tokens` says beyond that (tokens the detokenizer held back, if any)."""
+    import json
+
+    import httpx
+
+    async def clients() -> tuple[float, list[list[tuple[float, int]]], int]:
+        limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits
+        ) as client:
+
+            async def one(ids: list[int]) -> tuple[list[tuple[float, int]], int]:
+                body = {
+                    "model": model_id,
+                    "prompt": ids,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                msgs: list[tuple[float, int]] = []
+                usage = None
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        now, data = time.perf_counter(), line[6:]
+                        if data == "[DONE]":
+                            break
+                        obj = json.loads(data)
+                        if "error" in obj:
+                            raise RuntimeError(f"stream error: {obj['error']}")
+                        if obj.get("usage"):
+                            usage = obj["usage"]["completion_tokens"]
+                        for choice in obj["choices"]:
+                            msgs.append((now, 1 if choice["text"] else 0))
+                if usage is None or not msgs:
+                    raise RuntimeError("stream ended without usage or chunks")
+                counted = sum(n for _, n in msgs)
+                msgs[-1] = (msgs[-1][0], msgs[-1][1] + max(0, usage - counted))
+                return msgs, usage
+
+            start = time.perf_counter()
+            results = await asyncio.gather(*(one(ids) for ids in prompts))
+            end = time.perf_counter()
+        tokens = sum(u for _, u in results)
+        return tokens / (end - start), [m for m, _ in results], tokens
+
+    return asyncio.run(clients())
+
+
+def http_warm_up(port: int, model_id: str, prompts: list[list[int]]) -> None:
+    """Two short streamed requests, so the gateway's backend channel, the client connections and first-call
+    costs are set up outside the measurement."""
+    http_streams(port, model_id, prompts[:2], 2)
 
 
 # ---- the run -----------------------------------------------------------------------------------------------
@@ -392,6 +499,17 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(Row("engine batch 1 (slots=1 engine, N=8; reference)", f"{b1_one:.1f} tok/s", b1_one / hf,
                     "HF batch 1", "≥ 2.5×", b1_one / hf >= 2.5))  # fmt: skip
 
+    log("engine batch 1 on a slots=64 engine with min_batch_bucket=8")
+    bucketed = JaxEngine(loaded, **{**settings, "min_batch_bucket": 8})
+    fill(bucketed, ids[:1], 9)  # compiles the 8-row decode (the only batch bucket batch 1 uses)
+    decode_until_done(bucketed)
+    release_all(bucketed)
+    b1_bucketed, _ = engine_tok_s(bucketed, ids[:1], new_tokens)
+    del bucketed
+    gc.collect()
+    rows.append(Row("engine batch 1 (slots=64, N=8, min_batch_bucket=8)", f"{b1_bucketed:.1f} tok/s",
+                    b1_bucketed / hf, "HF batch 1", "≥ 2.5×", b1_bucketed / hf >= 2.5))  # fmt: skip
+
     log("top-20 logprobs on vs off (K=20 vs K=1 decode programs, 64 slots)")
     k1 = variant(engine, K=1)
     on_s, off_s = paired_step_times([engine, k1], [ids[i % len(ids)] for i in range(64)], reps)
@@ -418,19 +536,51 @@ def main(argv: list[str] | None = None) -> int:
                     f"{s2048 * 1e3:.1f} vs {s256 * 1e3:.1f} ms", s2048 / s256, "S=256", "≤ 1.2×",
                     s2048 / s256 <= 1.2))  # fmt: skip
 
-    log("32 streams: engine in-process, then gRPC clients")
-    prompts32 = [ids[i % len(ids)] for i in range(32)]
+    log("streams: engine in-process (1 and 32), then gRPC clients (32), then HTTP clients (1 and 32)")
+    stream_ids = [tok.encode(p) for p in STREAM_PROMPTS]
+    prompts32 = [stream_ids[i % len(stream_ids)] for i in range(32)]
+    # One stream on the 64-slot engine decodes at the 64-slot step time (~2 tok/s on a small CPU): 3 calls' worth
+    # of tokens (two full call intervals after the first delivery) keeps these rows to seconds.
+    tokens1, reps1 = min(new_tokens, 3 * engine.steps_per_call), 1 if args.quick else 2
     compiles.counting = True
+    runs_in1 = [inprocess_streams(engine, prompts32[:1], tokens1) for _ in range(reps1)]
     e2e_in, streams_in, call_s = inprocess_streams(engine, prompts32, new_tokens)
-    e2e_grpc, streams_grpc = grpc_streams(engine, tok, loaded.model_id, prompts32, new_tokens)
+    server = ServerThread(engine, tok, loaded.model_id)
+    try:
+        e2e_grpc, streams_grpc = grpc_streams(server.port, prompts32, new_tokens)
+        server.start_gateway()
+        http_warm_up(server.gateway_port, loaded.model_id, prompts32)
+        runs_http1 = [http_streams(server.gateway_port, loaded.model_id, prompts32[:1], tokens1)
+                      for _ in range(reps1)]  # fmt: skip
+        e2e_http, streams_http, tokens_http = http_streams(server.gateway_port, loaded.model_id, prompts32,
+                                                           new_tokens)  # fmt: skip
+    finally:
+        server.close()
     compiles.counting = False
-    rate_in, rate_grpc = per_stream_rate(streams_in, call_s / 4), per_stream_rate(streams_grpc, call_s / 4)
+    gap = call_s / 4
+    rate_in, rate_grpc = per_stream_rate(streams_in, gap), per_stream_rate(streams_grpc, gap)
+    rate_http = per_stream_rate(streams_http, gap)
+    rate_in1 = statistics.median(per_stream_rate(st, gap) for _, st, _ in runs_in1)
+    rate_http1 = statistics.median(per_stream_rate(st, gap) for _, st, _ in runs_http1)
+    e2e_in1 = statistics.median(r for r, _, _ in runs_in1)
+    e2e_http1 = statistics.median(r for r, _, _ in runs_http1)
+    short = 32 * new_tokens - tokens_http
     rows.append(Row("gRPC 32 streams, decode rate (summed per-stream)", f"{rate_grpc:.1f} vs {rate_in:.1f} tok/s",
                     rate_grpc / rate_in, "in-process, same load", "≥ 0.95×", rate_grpc / rate_in >= 0.95))  # fmt: skip
     rows.append(Row("gRPC 32 streams, end to end (incl. admission, prefill)", f"{e2e_grpc:.1f} vs {e2e_in:.1f} tok/s",
                     e2e_grpc / e2e_in, "in-process, same load"))  # fmt: skip
-    rows.append(Row("compiles after warm-up (batch 1, 64 streams, 32 in-process + gRPC)", str(compiles.count), None,
-                    "", "0", compiles.count == 0))  # fmt: skip
+    rows.append(Row(f"HTTP streaming, 1 client, decode rate ({tokens1} tokens, median of {reps1})",
+                    f"{rate_http1:.1f} vs {rate_in1:.1f} tok/s", rate_http1 / rate_in1, "in-process, same load"))  # fmt: skip
+    rows.append(Row(f"HTTP streaming, 1 client, end to end ({tokens1} tokens, median of {reps1})",
+                    f"{e2e_http1:.1f} vs {e2e_in1:.1f} tok/s", e2e_http1 / e2e_in1, "in-process, same load"))  # fmt: skip
+    short_note = f"; {short} tokens short of max_tokens" if short else ""
+    rows.append(Row(f"HTTP streaming, 32 clients, decode rate (summed per-stream){short_note}",
+                    f"{rate_http:.1f} vs {rate_in:.1f} tok/s", rate_http / rate_in, "in-process, same load",
+                    "≥ 0.90×", rate_http / rate_in >= 0.90))  # fmt: skip
+    rows.append(Row("HTTP streaming, 32 clients, end to end (incl. admission, prefill)",
+                    f"{e2e_http:.1f} vs {e2e_in:.1f} tok/s", e2e_http / e2e_in, "in-process, same load"))  # fmt: skip
+    rows.append(Row("compiles after warm-up (batch 1, 64 streams, in-process + gRPC + HTTP streams)",
+                    str(compiles.count), None, "", "0", compiles.count == 0))  # fmt: skip
 
     print_table(rows, loaded.model_id, new_tokens, time.perf_counter() - t_start)
     return 0
