@@ -14,6 +14,7 @@ import collections
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -95,6 +96,7 @@ class Orchestrator:
         self._closed: list[_Running] = []  # finished since the last flush, events still to deliver
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()
+        self.on_generate: Callable[[float], None] | None = None  # seconds per generate call (metrics)
 
     # ---- called from the event loop -------------------------------------------------------------------
 
@@ -185,12 +187,15 @@ class Orchestrator:
         self._apply_cancels()
         self._admit()
         if self._owner:
+            t0 = time.perf_counter()
             try:
                 steps = self.engine.generate()
             except Exception as exc:
                 log.exception("engine.generate failed")
                 self._fail_all(f"engine error: {exc}")
                 return
+            if self.on_generate is not None:
+                self.on_generate(time.perf_counter() - t0)
             self._dispatch(steps)
         self._flush_outboxes()
 

@@ -18,6 +18,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+from tpuserve.grpc_service import jsonlog
+from tpuserve.grpc_service.metrics import BackendMetrics, watch_compiles
 from tpuserve.grpc_service.orchestrator import Orchestrator
 from tpuserve.grpc_service.servicer import TextGenerationServicer
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
@@ -50,6 +52,8 @@ class GrpcServer:
         self.server, self.port = server, port
         self.orchestrator, self.servicer, self.health = orchestrator, servicer, health
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.metrics: BackendMetrics | None = None
+        self.metrics_port: int | None = None  # the bound metrics HTTP port, when metrics are served
 
     async def _on_ready(self, error: BaseException | None) -> None:
         if error is None:
@@ -68,6 +72,8 @@ class GrpcServer:
         drained = await self.servicer.drain(drain_timeout_s)
         await self.server.stop(grace=1.0)
         await asyncio.to_thread(self.orchestrator.close)
+        if self.metrics is not None:
+            self.metrics.close()
         return drained
 
 
@@ -80,11 +86,29 @@ async def start_server(
     *,
     max_queue: int = 256,
     max_n: int | None = None,
+    max_prompt_tokens: int | None = None,
     warmup: Callable[[], None] | None = None,
+    metrics_port: int | None = None,
+    log_prompts: bool = False,
 ) -> GrpcServer:
-    """Bind (port 0 = any free port), start, and start the engine thread (it runs `warmup` first)."""
+    """Bind (port 0 = any free port), start, and start the engine thread (it runs `warmup` first).
+
+    `metrics_port`: serve Prometheus metrics over HTTP on `host` at this port (0 = any free port; None = off)."""
     orchestrator = Orchestrator(engine, tokenizer.token_bytes, tokenizer.special_ids, max_queue=max_queue)
-    servicer = TextGenerationServicer(orchestrator, tokenizer, model_id, max_n=max_n)
+    metrics = None
+    if metrics_port is not None:
+        watch_compiles()
+        metrics = BackendMetrics(orchestrator)
+        orchestrator.on_generate = metrics.generate_seconds.observe
+    servicer = TextGenerationServicer(
+        orchestrator,
+        tokenizer,
+        model_id,
+        max_n=max_n,
+        max_prompt_tokens=max_prompt_tokens,
+        metrics=metrics,
+        log_prompts=log_prompts,
+    )
     server = grpc.aio.server(
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -107,6 +131,9 @@ async def start_server(
         raise OSError(f"cannot bind the gRPC server to {host}:{port}")
     await server.start()
     running = GrpcServer(server, bound, orchestrator, servicer, health)
+    if metrics is not None:
+        running.metrics = metrics
+        running.metrics_port = metrics.serve(host, metrics_port)
     loop = asyncio.get_running_loop()
 
     def on_ready(error: BaseException | None) -> None:  # on the engine thread
@@ -125,15 +152,30 @@ async def serve(
     *,
     max_queue: int = 256,
     max_n: int | None = None,
+    max_prompt_tokens: int | None = None,
     warmup: Callable[[], None] | None = None,
     drain_timeout_s: float = 30.0,
+    metrics_port: int | None = None,
+    log_prompts: bool = False,
 ) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code (0 after a graceful stop, 1 if warm-up failed).
 
     `warmup` (e.g. the engine's compile-everything step) runs on the engine thread while health is NOT_SERVING."""
     running = await start_server(
-        engine, tokenizer, model_id, host, port, max_queue=max_queue, max_n=max_n, warmup=warmup
+        engine,
+        tokenizer,
+        model_id,
+        host,
+        port,
+        max_queue=max_queue,
+        max_n=max_n,
+        max_prompt_tokens=max_prompt_tokens,
+        warmup=warmup,
+        metrics_port=metrics_port,
+        log_prompts=log_prompts,
     )
+    if running.metrics_port is not None:
+        log.info("metrics on http://%s:%d/metrics", host, running.metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -163,6 +205,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--max-n", type=int, default=None, help="most samples per request (capped at the slots)")
     p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="longest prompt accepted (default: context length)",
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this HTTP port (0 = off)"
+    )
+    p.add_argument("--log-prompts", action="store_true", help="include prompts in the per-request log lines")
+    p.add_argument("--log-format", choices=("json", "text"), default="json")
+    p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM"
     )
     return p.parse_args(argv)
@@ -173,13 +226,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     The engine is built with warm-up deferred, so the port opens (health NOT_SERVING) while it compiles."""
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    jsonlog.setup("INFO", args.log_format)
     import dataclasses
 
     from tpuserve.sampler.config import load_config  # these import JAX: only when really serving
     from tpuserve.sampler.factory import load_engine
 
-    cfg = load_config(args.config, {"model": args.model, "max_queue": args.max_queue, "max_n": args.max_n})
+    overrides = {
+        "model": args.model,
+        "max_queue": args.max_queue,
+        "max_n": args.max_n,
+        "max_prompt_tokens": args.max_prompt_tokens,
+    }
+    cfg = load_config(args.config, overrides)
     engine, tokenizer, model_id = load_engine(dataclasses.replace(cfg, warm_up=False))
     return asyncio.run(
         serve(
@@ -190,7 +249,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.port,
             max_queue=cfg.max_queue,
             max_n=cfg.max_n,
+            max_prompt_tokens=cfg.max_prompt_tokens,
             warmup=engine.warm_up if cfg.warm_up else None,
             drain_timeout_s=args.drain_timeout,
+            metrics_port=args.metrics_port or None,
+            log_prompts=args.log_prompts,
         )
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 import grpc
 from tpuserve.grpc_service.convert import TokenConverter
 from tpuserve.grpc_service.jobs import ErrorEvent, Finish, PromptEvent, SampleEvent
+from tpuserve.grpc_service.metrics import BackendMetrics
 from tpuserve.grpc_service.orchestrator import Orchestrator, QueueFullError, RequestStream, ShuttingDownError
 from tpuserve.grpc_service.validation import InvalidRequest, Limits, build_job, check_token_ids, render_chat
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
@@ -19,6 +21,34 @@ from tpuserve.sampler.api import Engine
 if TYPE_CHECKING:
     from tpuserve.model.tokenizer import Tokenizer
 
+request_log = logging.getLogger("tpuserve.backend.requests")
+
+
+class _Record:
+    """What one Generate call's log line and metrics report."""
+
+    def __init__(self, request: pb.GenerateRequest) -> None:
+        self.request_id = request.request_id
+        self.start = time.monotonic()
+        self.code = "OK"
+        self.error = ""
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.n = request.n or 1
+        self.first_token: float | None = None
+        self.finish: list[str] = []
+
+
+def _prompt_of(request: pb.GenerateRequest) -> object:
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return request.text
+    if kind == "token_ids":
+        return list(request.token_ids.ids)
+    if kind == "chat":
+        return [{"role": m.role, "content": m.content} for m in request.chat.messages]
+    return None
+
 
 class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     def __init__(
@@ -27,8 +57,13 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         tokenizer: Tokenizer,
         model_id: str,
         max_n: int | None = None,
+        max_prompt_tokens: int | None = None,
+        metrics: BackendMetrics | None = None,
+        log_prompts: bool = False,
     ) -> None:
         engine: Engine = orchestrator.engine
+        self.metrics = metrics
+        self.log_prompts = log_prompts
         self.orchestrator = orchestrator
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -37,6 +72,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             context_length=engine.max_seq_len,
             max_n=min(max_n or 16, engine.slots),  # n > slots could never be admitted
             max_top_logprobs=engine.top_k_width,
+            max_prompt_tokens=max_prompt_tokens,
         )
         self.created = int(time.time())
         self._open: set[RequestStream] = set()
@@ -48,17 +84,60 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        rec = _Record(request)
+        inner = self._generate(request, context, rec)
+        try:
+            async for msg in inner:
+                yield msg
+        except asyncio.CancelledError:
+            rec.code = "CANCELLED"
+            raise
+        finally:
+            await inner.aclose()  # now, not at garbage collection: its `finally` frees the slots
+            self._report(rec, request)
+
+    def _report(self, rec: _Record, request: pb.GenerateRequest) -> None:
+        """One JSON log line per Generate (the gateway's request id; no prompt unless asked) and the metrics."""
+        now = time.monotonic()
+        fields = {
+            "event": "generate",
+            "request_id": rec.request_id,
+            "code": rec.code,
+            "n": rec.n,
+            "prompt_tokens": rec.prompt_tokens,
+            "completion_tokens": rec.completion_tokens,
+            "finish_reasons": rec.finish,
+            "duration_ms": round((now - rec.start) * 1000, 2),
+            "ttft_ms": None if rec.first_token is None else round((rec.first_token - rec.start) * 1000, 2),
+        }
+        if rec.error:
+            fields["error"] = rec.error
+        if self.log_prompts:
+            fields["prompt"] = _prompt_of(request)
+        request_log.info("generate %s %s", rec.request_id, rec.code, extra={"fields": fields})
+        if self.metrics is not None:
+            self.metrics.requests.labels(rec.code).inc()
+
+    async def _generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, rec: _Record
+    ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             job = build_job(request, self.tokenizer, self.limits, self.tokenizer.eos_ids)
         except InvalidRequest as e:
+            rec.code, rec.error = "INVALID_ARGUMENT", str(e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rec.request_id = job.request_id
+        rec.prompt_tokens = len(job.prompt_ids)
         try:
             stream = self.orchestrator.submit(job)
         except QueueFullError as e:
+            rec.code, rec.error = "RESOURCE_EXHAUSTED", str(e)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ShuttingDownError as e:
+            rec.code, rec.error = "UNAVAILABLE", str(e)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         convert = TokenConverter(self.tokenizer, request.logprobs.enabled, request.logprobs.top_logprobs)
+        metrics = self.metrics
         prompt_len = len(job.prompt_ids)
         sent = [0] * job.n  # tokens sent per sample: the next token's index
         finished = [False] * job.n
@@ -74,6 +153,18 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                         prompt_tokens_count=prompt_len,
                     )
                 elif isinstance(event, SampleEvent):
+                    if event.tokens:
+                        if rec.first_token is None:
+                            rec.first_token = time.monotonic()
+                            if metrics is not None:
+                                metrics.ttft.observe(rec.first_token - rec.start)
+                        rec.completion_tokens += len(event.tokens)
+                        if metrics is not None:
+                            metrics.tokens.inc(len(event.tokens))
+                    if event.finish is not None:
+                        rec.finish.append(event.finish.value)
+                        if metrics is not None:
+                            metrics.finished.labels(event.finish.value).inc()
                     yield convert.response(job.request_id, event, sent[event.index], prompt_len)
                     sent[event.index] += len(event.tokens)
                     finished[event.index] = event.finish is not None
@@ -81,11 +172,16 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                     for index in (i for i, done in enumerate(finished) if not done):
                         failed = SampleEvent(index, finish=Finish.ERROR, error=event.message)
                         failed.completion_tokens = sent[index]
+                        rec.finish.append(Finish.ERROR.value)
+                        if metrics is not None:
+                            metrics.finished.labels(Finish.ERROR.value).inc()
                         yield convert.response(job.request_id, failed, sent[index], prompt_len)
                     finished = [True] * job.n
+                    rec.code, rec.error = "INTERNAL", event.message
                     await context.abort(grpc.StatusCode.INTERNAL, event.message)
         finally:
             if not all(finished):  # the client went away (cancel, deadline): free the slots
+                rec.code = "CANCELLED"
                 self.orchestrator.cancel(stream)
             self._open.discard(stream)
             if not self._open:

@@ -32,6 +32,7 @@ class Limits:
     context_length: int  # the engine's S: prompt + generated tokens
     max_n: int
     max_top_logprobs: int = MAX_TOP_LOGPROBS
+    max_prompt_tokens: int | None = None  # the server's own cap (below the context length); None = none
 
 
 def chat_messages(chat: pb.ChatMessages) -> tuple[list[dict[str, str]], bool]:
@@ -80,6 +81,11 @@ def prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits
         raise InvalidRequest(
             "prompt",
             f"the prompt has {len(ids)} tokens, more than the context length {limits.context_length}",
+        )
+    if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
+        raise InvalidRequest(
+            "prompt",
+            f"the prompt has {len(ids)} tokens, more than this server's max_prompt_tokens {limits.max_prompt_tokens}",
         )
     return ids
 

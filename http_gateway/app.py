@@ -9,10 +9,12 @@ from typing import TypeVar
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tpuserve.http_gateway import chat, completions
 from tpuserve.http_gateway.auth import BearerAuth
 from tpuserve.http_gateway.backends import BackendPool
 from tpuserve.http_gateway.errors import APIError, install_handlers
+from tpuserve.http_gateway.observability import GatewayMetrics, Limits, Observe, note_request
 from tpuserve.http_gateway.request_models import ChatCompletionRequest, CompletionRequest
 from tpuserve.http_gateway.request_parsing import parse_request
 from tpuserve.http_gateway.response_models import ModelCard, ModelList, OpenAIObject
@@ -58,10 +60,18 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
 
 
-def create_app(backends: list[str], api_key: str | None = None, pool: BackendPool | None = None) -> FastAPI:
+def create_app(
+    backends: list[str],
+    api_key: str | None = None,
+    pool: BackendPool | None = None,
+    limits: Limits | None = None,
+    log_prompts: bool = False,
+) -> FastAPI:
     """The OpenAI-compatible gateway in front of gRPC `backends` ("host:port"). With `api_key`, /v1/* needs
-    `Authorization: Bearer <api_key>`; /health stays open."""
+    `Authorization: Bearer <api_key>`; /health and /metrics stay open. `limits`: body size, concurrency, n."""
     pool = pool or BackendPool(backends)
+    limits = limits or Limits()
+    metrics = GatewayMetrics()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -76,17 +86,24 @@ def create_app(backends: list[str], api_key: str | None = None, pool: BackendPoo
     )
     app.state.pool = pool
     install_handlers(app)
+    app.state.metrics = metrics
+    app.state.limits = limits
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(Observe, metrics=metrics, limits=limits, log_prompts=log_prompts)  # outermost
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = parse_request(await request.body(), ChatCompletionRequest)
+        note_request(req.model, lambda: [m.model_dump() for m in req.messages])
+        limits.check_n(req.n)
         return _respond(await _unless_disconnected(request, chat.create(pool, req)))
 
     @app.post("/v1/completions")
     async def legacy_completions(request: Request) -> Response:
         req = parse_request(await request.body(), CompletionRequest)
+        note_request(req.model, lambda: req.prompt)
+        limits.check_n(req.n, req.best_of)
         return _respond(await _unless_disconnected(request, completions.create(pool, req)))
 
     @app.get("/v1/models")
@@ -102,6 +119,10 @@ def create_app(backends: list[str], api_key: str | None = None, pool: BackendPoo
     async def model(model_id: str) -> Response:
         info = await pool.info(model_id)
         return _json(ModelCard(id=info.model_id, object="model", created=info.created, owned_by=OWNED_BY))
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> Response:

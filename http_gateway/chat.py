@@ -7,10 +7,9 @@ counted in `completion_tokens`, as OpenAI does; the backend sends it as the samp
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 
-from tpuserve.http_gateway import proto_mapping
+from tpuserve.http_gateway import observability, proto_mapping
 from tpuserve.http_gateway.backends import BackendPool, GenerateStream
 from tpuserve.http_gateway.logprobs import chat_logprobs
 from tpuserve.http_gateway.request_models import ChatCompletionRequest
@@ -52,7 +51,7 @@ def _visible(tokens: list[pb.Token], final: pb.GenerateResponse | None) -> tuple
 
 
 async def create(pool: BackendPool, req: ChatCompletionRequest) -> ChatCompletion | AsyncIterator[str]:
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request_id = observability.new_request_id("chatcmpl")
     stream = await pool.generate(req.model, to_proto(req, request_id))
     if req.stream:
         return sse_stream(_chunks(stream, req, request_id))

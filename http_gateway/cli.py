@@ -2,7 +2,8 @@
 
   tpuserve serve     [--port 8000] [--grpc-port 50051] [--model PATH] [--config YAML]   backend + gateway
   tpuserve gateway   --backend HOST:PORT [--backend ...] [--port 8000] [--api-key K]    gateway alone
-  tpuserve grpc      [--port 50051] [--model PATH] [--config YAML]                      backend alone
+                     [--config configs/gateway.yaml] [--max-body-bytes] [--max-concurrent-requests] [--max-n]
+  tpuserve grpc      [--port 50051] [--model PATH] [--config YAML] [--metrics-port N]   backend alone
   tpuserve generate  [--model PATH] PROMPT                                              one completion, no server
   tpuserve convert   SRC DST                                                            any model -> Orbax
 """

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from tpuserve.http_gateway import proto_mapping
+from tpuserve.http_gateway import observability, proto_mapping
 from tpuserve.http_gateway.backends import BackendPool, GenerateStream
 from tpuserve.http_gateway.logprobs import CompletionLogprobs, finite, prompt_text_bytes
 from tpuserve.http_gateway.request_models import CompletionRequest
@@ -63,7 +62,7 @@ def _ranks(req: CompletionRequest) -> bool:
 
 
 async def create(pool: BackendPool, req: CompletionRequest) -> Completion | AsyncIterator[str]:
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    request_id = observability.new_request_id("cmpl")
     prompts = req.prompts()
     streams = await _start_all(pool, req, prompts, request_id)
     jobs = [PromptJob(i, p, s) for i, (p, s) in enumerate(zip(prompts, streams))]

@@ -13,6 +13,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 
+RETRY_AFTER_S = "1"
+
 
 class APIError(Exception):
     """An error that renders as an OpenAI error body with `status`."""
@@ -36,7 +38,11 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = None
+        if self.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
+        elif self.status == 429:  # overload (gateway limit or backend queue full): a short, fixed back-off
+            headers = {"Retry-After": RETRY_AFTER_S}
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

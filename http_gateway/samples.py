@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from tpuserve.http_gateway.backends import GenerateStream
 from tpuserve.http_gateway.errors import APIError
+from tpuserve.http_gateway.observability import on_message
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 
 _FINISH = {
@@ -78,6 +79,7 @@ class Generation:
 
 async def messages(stream: GenerateStream) -> AsyncIterator[pb.GenerateResponse]:
     async for msg in stream.messages():
+        on_message(msg)  # token timing and counts for metrics and the request's log line
         yield check_message(msg)
 
 

@@ -34,13 +34,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="GGUF file, HF directory or Orbax checkpoint (default: embedded)")
     p.add_argument("--config", default=None, help="backend YAML config (configs/*.yaml)")
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (or $TPUSERVE_API_KEY)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ["METRICS_PORT"]) if os.environ.get("METRICS_PORT") else None,
+        help="backend Prometheus metrics HTTP port (default: GRPC_PORT + 1; 0 = off); the gateway's are at /metrics",
+    )
+    p.add_argument("--log-prompts", action="store_true", help="include prompts in both processes' request logs")
     args = p.parse_args(argv)
+    metrics_port = args.grpc_port + 1 if args.metrics_port is None else args.metrics_port
 
     backend_cmd = [sys.executable, "-m", "tpuserve.grpc_service", "--host", "127.0.0.1", "--port", str(args.grpc_port)]
     if args.model:
         backend_cmd += ["--model", args.model]
     if args.config:
         backend_cmd += ["--config", args.config]
+    backend_cmd += ["--metrics-port", str(metrics_port)]  # on 127.0.0.1, like the backend's gRPC port
+    if args.log_prompts:
+        backend_cmd += ["--log-prompts"]
     backend = subprocess.Popen(backend_cmd, preexec_fn=_die_with_parent)
     # uvicorn restores the previous SIGTERM handler after its graceful shutdown and re-raises the signal: with
     # Python's default handler that would kill this process before `finally` stops the backend.
@@ -48,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     gateway_argv = ["--backend", f"127.0.0.1:{args.grpc_port}", "--host", args.host, "--port", str(args.port)]
     if args.api_key:
         gateway_argv += ["--api-key", args.api_key]
+    if args.log_prompts:
+        gateway_argv += ["--log-prompts"]
     from tpuserve.http_gateway.serve import main as gateway_main
 
     try:

@@ -7,6 +7,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from tpuserve.http_gateway.errors import APIError
+from tpuserve.http_gateway.observability import on_stream_error
 
 log = logging.getLogger(__name__)
 
@@ -20,9 +21,11 @@ async def sse_stream(payloads: AsyncIterator[str]) -> AsyncIterator[str]:
         async for payload in payloads:
             yield f"data: {payload}\n\n"
     except APIError as e:
+        on_stream_error(e.code)
         yield f"data: {json.dumps(e.body())}\n\n"
     except Exception:
         log.exception("error while streaming")
+        on_stream_error("internal_error")
         err = APIError(
             500,
             "The server had an error while processing your request.",

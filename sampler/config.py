@@ -29,6 +29,7 @@ class EngineConfig:
     data_parallel: int = 1            # mesh "data" axis size (slots)
     max_queue: int = 256              # admission queue bound; beyond it RESOURCE_EXHAUSTED
     max_n: int = 16
+    max_prompt_tokens: int | None = None  # prompts longer than this are INVALID_ARGUMENT; None = context length
     warm_up: bool = True
 
 

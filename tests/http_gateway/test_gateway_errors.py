@@ -234,9 +234,11 @@ def test_backend_status_maps_to_http_status_before_any_output(
     assert err["type"] == type_ and err["message"] == message
 
 
-def test_backend_limits_pass_through_as_400(scripted_gateway) -> None:
+def test_n_over_the_limit_is_a_400_naming_it(scripted_gateway) -> None:
+    # the gateway's max_n (default 16) answers before the backend's own limit (passed through as any
+    # INVALID_ARGUMENT, see above)
     err = error(scripted_gateway.http, CHAT, chat(scripted_gateway, n=100), 400)
-    assert "n must be at most" in err["message"]
+    assert "max_n" in err["message"] and err["param"] == "n"
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])

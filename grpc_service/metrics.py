@@ -1,0 +1,147 @@
+"""Backend Prometheus metrics, served on their own HTTP port (`tpuserve grpc --metrics-port N`).
+
+Each server has its own `CollectorRegistry` (several servers in one process do not collide). Gauges are read
+from the orchestrator and engine at scrape time; XLA compiles are counted by a `jax.monitoring` listener
+(process-wide: registered once, reported by every registry)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from tpuserve.grpc_service.orchestrator import Orchestrator
+
+log = logging.getLogger(__name__)
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compiles = {"count": 0, "seconds": 0.0}
+_compiles_lock = threading.Lock()
+_listening = False
+
+
+def _on_duration(event: str, duration: float, **_: object) -> None:
+    if event == COMPILE_EVENT:
+        with _compiles_lock:
+            _compiles["count"] += 1
+            _compiles["seconds"] += duration
+
+
+def watch_compiles() -> None:
+    """Count XLA backend compiles from now on (idempotent). The backend owns JAX, so importing it here is fine."""
+    global _listening
+    with _compiles_lock:
+        if _listening:
+            return
+        _listening = True
+    import jax.monitoring
+
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+def compiles() -> tuple[int, float]:
+    with _compiles_lock:
+        return _compiles["count"], _compiles["seconds"]
+
+
+class _StateCollector:
+    """Queue depth, slots and KV-cache use, read when scraped."""
+
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.orchestrator = orchestrator
+
+    def collect(self):
+        orch, engine = self.orchestrator, self.orchestrator.engine
+        slots = int(engine.slots)
+        active = slots - orch.free_slots
+        yield GaugeMetricFamily(
+            "tpuserve_backend_queue_depth", "Requests waiting for a slot.", value=orch.queued
+        )
+        yield GaugeMetricFamily(
+            "tpuserve_backend_active_slots", "Decode slots holding a sample.", value=active
+        )
+        yield GaugeMetricFamily("tpuserve_backend_slots", "Decode slots (batch size B).", value=slots)
+        yield GaugeMetricFamily(
+            "tpuserve_backend_kv_cache_bytes",
+            "Device bytes of the KV cache (allocated once for all slots).",
+            value=float(getattr(engine, "kv_cache_bytes", 0) or 0),
+        )
+        yield GaugeMetricFamily(
+            "tpuserve_backend_kv_cache_positions",
+            "KV-cache positions: slots x max sequence length.",
+            value=slots * int(engine.max_seq_len),
+        )
+        yield GaugeMetricFamily(
+            "tpuserve_backend_kv_cache_used_positions",
+            "KV-cache positions holding live tokens (approximate: read while the engine runs).",
+            value=_used_positions(engine),
+        )
+        count, seconds = compiles()
+        yield CounterMetricFamily(
+            "tpuserve_backend_xla_compiles", "XLA backend compiles in this process.", value=count
+        )
+        yield CounterMetricFamily(
+            "tpuserve_backend_xla_compile_seconds", "Time spent in XLA backend compiles.", value=seconds
+        )
+
+
+def _used_positions(engine: object) -> float:
+    lengths, active = getattr(engine, "_lengths", None), getattr(engine, "_active", None)
+    if lengths is None:
+        return 0.0
+    try:
+        return float(lengths[active].sum()) if active is not None else float(lengths.sum())
+    except Exception:  # noqa: BLE001 - a scrape must never fail on a racing read
+        return 0.0
+
+
+class BackendMetrics:
+    """The counters and histograms the servicer and orchestrator update."""
+
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "tpuserve_backend_requests", "Generate calls by final gRPC status.", ["code"], registry=r
+        )
+        self.finished = Counter(
+            "tpuserve_backend_samples_finished",
+            "Samples (n per request) by finish reason.",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.tokens = Counter("tpuserve_backend_generated_tokens", "Tokens generated.", registry=r)
+        self.generate_seconds = Histogram(
+            "tpuserve_backend_generate_call_seconds",
+            "Duration of one engine generate call (N fused decode steps for all slots).",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "tpuserve_backend_time_to_first_token_seconds",
+            "From Generate received to its first token.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        r.register(_StateCollector(orchestrator))
+        self._http = None
+
+    def serve(self, host: str, port: int) -> int | None:
+        """Start the metrics HTTP server (port 0 = any free port); returns the bound port, None if it failed."""
+        try:
+            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            log.warning("metrics port %s:%d unavailable: %s", host, port, e)
+            return None
+        self._http = server
+        return server.server_address[1]
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,161 @@
+"""Backend observability and limits over a real grpc.aio server (fake engine): the Prometheus metrics port
+(queue depth, active slots, KV cache, generate-call time, compiles, finish reasons, tokens), one JSON log line
+per Generate with the caller's request id and no prompt unless asked, and max_prompt_tokens."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from tpuserve.grpc_service.jsonlog import JSONFormatter
+from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
+
+from tests.grpc_service.conftest import ServerThread, generate
+from tests.grpc_service.fake_engine import make_engine
+
+SECRET = "my secret prompt about zebras"
+
+
+@contextmanager
+def captured(name: str) -> Iterator[list[dict]]:
+    """JSON lines logged to `name` (formatted as in production)."""
+    lines: list[dict] = []
+    fmt = JSONFormatter()
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(json.loads(fmt.format(record)))  # type: ignore[method-assign]
+    logger = logging.getLogger(name)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+
+
+def wait_for(lines: list[dict], request_id: str, timeout: float = 5.0) -> list[dict]:
+    """The server logs after the call's last message or status, which the client may see first."""
+    deadline = time.monotonic() + timeout
+    while not (found := [ln for ln in lines if ln.get("request_id") == request_id]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return found
+
+
+def scrape(port: int) -> dict[str, float]:
+    """`name{label="v",...}` -> value of every sample."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+@pytest.fixture(scope="module")
+def observed(tokenizer) -> Iterator[ServerThread]:
+    engine = make_engine(tokenizer, slots=4, max_seq_len=256, steps_per_call=4)
+    server = ServerThread(engine, tokenizer, metrics_port=0, max_prompt_tokens=32)
+    yield server
+    server.close()
+
+
+def test_metrics_port_serves_state_and_counters_that_move(observed: ServerThread) -> None:
+    port = observed.server.metrics_port
+    assert port
+    before = scrape(port)
+    for name in ("tpuserve_backend_queue_depth", "tpuserve_backend_active_slots", "tpuserve_backend_xla_compiles_total",
+                 "tpuserve_backend_kv_cache_bytes", "tpuserve_backend_kv_cache_used_positions"):  # fmt: skip
+        assert name in before, sorted(before)
+    assert before["tpuserve_backend_slots"] == 4
+    assert before["tpuserve_backend_kv_cache_positions"] == 4 * 256
+    out = generate(observed.stub, text="Hello there", stopping=pb.StoppingCriteria(max_tokens=6), n=2)
+    assert all(m.request_id for m in out)
+    deadline = time.monotonic() + 5  # the call is counted when it ends, which the client may see first
+    while 'tpuserve_backend_requests_total{code="OK"}' not in (after := scrape(port)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert after["tpuserve_backend_generated_tokens_total"] - before.get("tpuserve_backend_generated_tokens_total", 0) == 12
+    assert after['tpuserve_backend_samples_finished_total{finish_reason="length"}'] >= 2
+    assert after['tpuserve_backend_requests_total{code="OK"}'] >= 1
+    assert after["tpuserve_backend_generate_call_seconds_count"] > before.get("tpuserve_backend_generate_call_seconds_count", 0)
+    assert after["tpuserve_backend_time_to_first_token_seconds_count"] >= 1
+
+
+def test_active_slots_and_queue_depth_while_the_engine_is_held(observed: ServerThread) -> None:
+    engine = observed.engine
+    engine.gate = threading.Event()  # generate() waits on it: slots stay taken
+    results: list = []
+    def one() -> None:
+        results.append(generate(observed.stub, text="Hello", stopping=pb.StoppingCriteria(max_tokens=4), n=2))
+
+    threads = [threading.Thread(target=one) for _ in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while True:
+            m = scrape(observed.server.metrics_port)
+            # the first request holds 2 slots inside the held generate call; the later ones wait in the queue
+            # (admission runs between generate calls), or take the other 2 slots if they came before it
+            if m["tpuserve_backend_active_slots"] >= 2 and m["tpuserve_backend_queue_depth"] >= 1:
+                break
+            assert time.monotonic() < deadline, m
+            time.sleep(0.02)
+        assert m["tpuserve_backend_kv_cache_used_positions"] >= 0
+    finally:
+        engine.gate.set()
+        for t in threads:
+            t.join(10)
+        engine.gate = None
+    assert len(results) == 3
+    assert scrape(observed.server.metrics_port)["tpuserve_backend_active_slots"] == 0
+
+
+def test_compiles_are_counted(observed: ServerThread) -> None:
+    import jax
+    import numpy as np
+
+    before = scrape(observed.server.metrics_port)["tpuserve_backend_xla_compiles_total"]
+    jax.jit(lambda x: x * 3 + 1)(np.arange(7, dtype=np.float32)).block_until_ready()
+    assert scrape(observed.server.metrics_port)["tpuserve_backend_xla_compiles_total"] >= before + 1
+
+
+def test_one_json_log_line_per_generate_with_the_request_id_and_no_prompt(observed: ServerThread) -> None:
+    with captured("tpuserve.backend.requests") as lines:
+        generate(observed.stub, request_id="req-abc123", text=SECRET, stopping=pb.StoppingCriteria(max_tokens=3))
+        mine = wait_for(lines, "req-abc123")
+    assert len(mine) == 1, lines
+    line = mine[0]
+    assert line["code"] == "OK" and line["completion_tokens"] == 3 and line["finish_reasons"] == ["length"]
+    assert line["prompt_tokens"] > 0 and line["ttft_ms"] is not None
+    assert "zebras" not in json.dumps(line)
+
+
+def test_prompts_are_logged_only_with_log_prompts(tokenizer) -> None:
+    server = ServerThread(make_engine(tokenizer, slots=2, max_seq_len=128, steps_per_call=4), tokenizer, log_prompts=True)
+    try:
+        with captured("tpuserve.backend.requests") as lines:
+            generate(server.stub, request_id="req-p", text=SECRET, stopping=pb.StoppingCriteria(max_tokens=2))
+            assert [ln["prompt"] for ln in wait_for(lines, "req-p")] == [SECRET]
+        assert server.server.metrics_port is None  # metrics off unless a port is given
+    finally:
+        server.close()
+
+
+def test_max_prompt_tokens_is_invalid_argument_naming_it(observed: ServerThread) -> None:
+    with captured("tpuserve.backend.requests") as lines:
+        with pytest.raises(grpc.RpcError) as err:  # the log line is awaited after the error
+            generate(observed.stub, request_id="req-long", text="hello " * 100, stopping=pb.StoppingCriteria(max_tokens=2))
+        assert [ln["code"] for ln in wait_for(lines, "req-long")] == ["INVALID_ARGUMENT"]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_prompt_tokens 32" in err.value.details()
+    assert scrape(observed.server.metrics_port)['tpuserve_backend_requests_total{code="INVALID_ARGUMENT"}'] >= 1
