@@ -18,6 +18,9 @@ log = logging.getLogger(__name__)
 INFO_TIMEOUT_S = 2.0
 HEALTH_TIMEOUT_S = 1.0
 _MAX_MESSAGE = 64 * 1024 * 1024
+# gRPC's default reconnect backoff grows to 120 s while a backend is down, so a restarted backend would wait
+# that long to be used again; cap it so a returning backend serves within about a second.
+RECONNECT_BACKOFF_MS = 1000
 
 
 class Backend:
@@ -28,6 +31,9 @@ class Backend:
         options = [
             ("grpc.max_receive_message_length", _MAX_MESSAGE),
             ("grpc.max_send_message_length", _MAX_MESSAGE),
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+            ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
         ]
         self.channel = grpc.aio.insecure_channel(address, options=options)
         self.stub = pb_grpc.TextGenerationStub(self.channel)

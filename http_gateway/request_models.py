@@ -22,6 +22,7 @@ N = Annotated[int, Field(ge=1, le=128)]
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Stop = str | Annotated[list[str], Field(max_length=MAX_STOP)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+INT32_MAX = 2**31 - 1  # the proto's int32 max_tokens: a larger value would fail as a 500 when mapped
 
 
 class _Strict(BaseModel):
@@ -89,8 +90,8 @@ class _Common(_Strict):
 
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
@@ -111,7 +112,7 @@ class CompletionRequest(_Common):
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
-    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+    max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool | None = None
     best_of: Annotated[int, Field(ge=1, le=20)] | None = None

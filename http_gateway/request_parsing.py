@@ -37,8 +37,13 @@ def parse_request(body: bytes, model: type[M]) -> M:
         obj = json.loads(body, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as e:
         raise invalid_request(f"We could not parse the JSON body of your request: {e}") from None
+    except RecursionError:  # deeply nested arrays/objects: a client error, not a 500
+        raise invalid_request(
+            "We could not parse the JSON body of your request: it is nested too deeply."
+        ) from None
     if not isinstance(obj, dict):
         raise invalid_request("The request body must be a JSON object.")
+    _reject_lone_surrogates(obj)
     try:
         req = model.model_validate(obj)
     except ValidationError as e:
@@ -47,6 +52,26 @@ def parse_request(body: bytes, model: type[M]) -> M:
     if check is not None:
         check()
     return req
+
+
+def _reject_lone_surrogates(obj: object) -> None:
+    """JSON may carry unpaired surrogates ("\\ud800", or their UTF-8-like bytes): they are no text, protobuf cannot
+    encode them (a 500 later), so they are a 400 here. Iterative: the tree may be as deep as json allows."""
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+        elif isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                raise invalid_request(
+                    "We could not parse the JSON body of your request: it contains an unpaired UTF-16 surrogate."
+                ) from None
 
 
 def param_name(loc: tuple) -> str:
