@@ -13,10 +13,6 @@ import subprocess
 import sys
 
 
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(0)
-
-
 def _die_with_parent() -> None:
     """In the backend child: receive SIGTERM if this process dies without stopping it (Linux prctl)."""
     if sys.platform.startswith("linux"):
@@ -53,9 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.log_prompts:
         backend_cmd += ["--log-prompts"]
     backend = subprocess.Popen(backend_cmd, preexec_fn=_die_with_parent)
-    # uvicorn restores the previous SIGTERM handler after its graceful shutdown and re-raises the signal: with
-    # Python's default handler that would kill this process before `finally` stops the backend.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
     gateway_argv = ["--backend", f"127.0.0.1:{args.grpc_port}", "--host", args.host, "--port", str(args.port)]
     if args.api_key:
         gateway_argv += ["--api-key", args.api_key]
@@ -64,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     from tpuserve.http_gateway.serve import main as gateway_main
 
     try:
-        gateway_main(gateway_argv)  # uvicorn handles SIGTERM/SIGINT and returns after its own graceful shutdown
+        # uvicorn shuts down gracefully on SIGTERM/SIGINT; gateway_main then exits by SystemExit (its handler for
+        # the re-raised signal), so `finally` stops the backend. Should this process die first, the backend gets
+        # SIGTERM from the kernel (_die_with_parent).
+        gateway_main(gateway_argv)
     finally:
         if backend.poll() is None:
             backend.send_signal(signal.SIGTERM)
