@@ -279,7 +279,9 @@ class ScriptedServicer(pb_grpc.TextGenerationServicer):
                 yield pb.GenerateResponse(request_id=request.request_id, index=0, prompt_tokens=prompt)
             async for msg in self._samples(request, context, script, n, max_tokens, len(prompt_ids)):
                 yield msg
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # a cancel lands as CancelledError at an await, or as GeneratorExit when it finds the generator
+            # suspended at a `yield` (grpc.aio then closes it): both mean the client's call was cancelled
             self.cancelled.append(request.request_id)
             raise
 
