@@ -18,10 +18,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-from tpuserve.grpc_service import jsonlog
 from tpuserve.grpc_service.metrics import BackendMetrics, watch_compiles
 from tpuserve.grpc_service.orchestrator import Orchestrator
 from tpuserve.grpc_service.servicer import TextGenerationServicer
+from tpuserve.proto import jsonlog
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2_grpc as pb_grpc
 from tpuserve.sampler.api import Engine

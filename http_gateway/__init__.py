@@ -5,7 +5,6 @@ stubs) and never imports JAX, so it runs as a small separate process in front of
   serve.py            main(argv): `tpuserve gateway --backend HOST:PORT ... [--port] [--api-key]` (uvicorn)
   auth.py             bearer-token check for /v1/* (constant time)
   observability.py    limits (body size, concurrency, n), Prometheus /metrics, per-request JSON log lines
-  jsonlog.py          the JSON log formatter (a twin of grpc_service/jsonlog.py)
   backends.py         grpc.aio channels, model discovery, health, round-robin + failover on UNAVAILABLE
   request_models.py   request bodies with the spec's bounds (extra fields forbidden)
   request_parsing.py  body bytes -> model, or a 400 naming the offending field

@@ -14,9 +14,9 @@ from typing import Any
 
 import uvicorn
 import yaml
-from tpuserve.http_gateway import jsonlog
 from tpuserve.http_gateway.app import create_app
 from tpuserve.http_gateway.observability import Limits
+from tpuserve.proto import jsonlog
 
 API_KEY_ENV = "TPUSERVE_API_KEY"
 

@@ -15,7 +15,7 @@ import grpc
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tpuserve.grpc_service.jsonlog import JSONFormatter
+from tpuserve.proto.jsonlog import JSONFormatter
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 
 from tests.grpc_service.conftest import ServerThread, generate

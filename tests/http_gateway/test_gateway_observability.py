@@ -17,9 +17,9 @@ import uvicorn
 from gateway_harness import GatewayServer
 from prometheus_client.parser import text_string_to_metric_families
 from tpuserve.http_gateway.app import create_app
-from tpuserve.http_gateway.jsonlog import JSONFormatter
 from tpuserve.http_gateway.observability import Limits
 from tpuserve.http_gateway.serve import limits_of, parse_args
+from tpuserve.proto.jsonlog import JSONFormatter
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 SECRET = "zebras are my secret"

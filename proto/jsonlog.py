@@ -1,5 +1,6 @@
-"""Structured logs: one JSON object per line, standard library only. grpc_service/jsonlog.py is a twin copy
-(the gateway imports nothing of the backend, and the backend nothing of the gateway).
+"""Structured logs: one JSON object per line, standard library only. It lives beside the gRPC schema because
+both processes share it and both already depend on `tpuserve.proto` (the gateway imports nothing of the
+backend, the backend nothing of the gateway).
 
 A record's `extra={"fields": {...}}` is merged into its line; `setup()` makes this the root handler's format."""
 
