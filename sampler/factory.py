@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from tpuserve.model.loader import LoadedModel, load_model
+from tpuserve.model.loader import load_model
 from tpuserve.model.sharding import make_mesh
 from tpuserve.sampler.config import EngineConfig
 from tpuserve.sampler.engine import JaxEngine
@@ -14,10 +14,11 @@ from tpuserve.sampler.engine import JaxEngine
 log = logging.getLogger(__name__)
 
 
-def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> JaxEngine:
+def load_engine(cfg: EngineConfig):
+    """-> (engine, tokenizer, model_id) for the gRPC service: the model is placed by the sharding rules of
+    the configured mesh as it loads, and the engine's decode state uses the same mesh."""
     mesh = make_mesh(cfg.model_parallel, cfg.data_parallel) if cfg.model_parallel * cfg.data_parallel > 1 else None
-    if loaded is None:
-        loaded = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh)
+    loaded = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh)
     engine = JaxEngine(
         loaded,
         slots=cfg.slots,
@@ -34,12 +35,4 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> JaxEng
         start = time.perf_counter()
         engine.warm_up()
         log.info("warm-up compiled all programs in %.1f s", time.perf_counter() - start)
-    return engine
-
-
-def load_engine(cfg: EngineConfig):
-    """-> (engine, tokenizer, model_id) for the gRPC service."""
-    mesh = make_mesh(cfg.model_parallel, cfg.data_parallel) if cfg.model_parallel * cfg.data_parallel > 1 else None
-    loaded = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh)
-    engine = build_engine(cfg, loaded)
     return engine, loaded.tokenizer, loaded.model_id
