@@ -145,8 +145,6 @@ class JaxEngine(Engine):
             attend = bucket_for(min(longest + self.steps_per_call, self.max_seq_len), self.attend_buckets)
             batch = bucket_for(int(live.max()) + 1 if live.size else 1, self.batch_buckets)
             self.state, outs = self._decode(self.params, self.state, attend_len=attend, batch=batch)
-            for a in outs:
-                a.copy_to_host_async()
             ids, lps, top_ids, top_vals, valid, done = (self._pad(np.asarray(a)) for a in outs)
             self._lengths += valid.sum(axis=0)
             self._active &= ~done.any(axis=0)
