@@ -8,11 +8,13 @@ from contextlib import asynccontextmanager
 from typing import TypeVar
 
 from fastapi import FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from tpuserve.http_gateway import chat, completions
+from starlette.datastructures import Headers
+from tpuserve.http_gateway import chat, completions, openapi
 from tpuserve.http_gateway.auth import BearerAuth
-from tpuserve.http_gateway.backends import BackendPool
+from tpuserve.http_gateway.backends import BackendPool, BackendTLS
 from tpuserve.http_gateway.errors import APIError, install_handlers
 from tpuserve.http_gateway.observability import GatewayMetrics, Limits, Observe, note_request
 from tpuserve.http_gateway.request_models import ChatCompletionRequest, CompletionRequest
@@ -32,6 +34,39 @@ def _respond(result: OpenAIObject | AsyncIterator[str]) -> Response:
     if isinstance(result, OpenAIObject):
         return _json(result)
     return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+class _CORS(CORSMiddleware):
+    """Starlette's CORS, with a refused preflight answered in the OpenAI error shape instead of plain text."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        error = APIError(400, f"{response.body.decode()}.", "invalid_request_error", None, "cors_not_allowed")
+        return error.response()
+
+
+def _is_json(content_type: str | None) -> bool:
+    """No Content-Type (some minimal clients) is read as JSON; otherwise application/json or a +json type."""
+    if not content_type:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+async def _json_body(request: Request) -> bytes:
+    content_type = request.headers.get("content-type")
+    if not _is_json(content_type):
+        raise APIError(
+            415,
+            f"Unsupported Content-Type '{content_type}': send the body as JSON with "
+            "'Content-Type: application/json'.",
+            "invalid_request_error",
+            None,
+            "unsupported_media_type",
+        )
+    return await request.body()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -66,11 +101,15 @@ def create_app(
     pool: BackendPool | None = None,
     limits: Limits | None = None,
     log_prompts: bool = False,
+    cors_allow_origins: list[str] | None = None,
+    backend_tls: BackendTLS | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible gateway in front of gRPC `backends` ("host:port"). With `api_key`, /v1/* needs
-    `Authorization: Bearer <api_key>`; /health and /metrics stay open. `limits`: body size, concurrency, n."""
-    pool = pool or BackendPool(backends)
+    `Authorization: Bearer <api_key>`; /health, /metrics and /openapi.json stay open. `limits`: body size,
+    concurrency, n. `cors_allow_origins`: browser origins allowed to call the API (CORS is off without them;
+    "*" allows any). `backend_tls`: reach the backends over TLS."""
     limits = limits or Limits()
+    pool = pool or BackendPool(backends, tls=backend_tls, request_timeout_s=limits.request_timeout_s)
     metrics = GatewayMetrics()
 
     @asynccontextmanager
@@ -90,18 +129,28 @@ def create_app(
     app.state.limits = limits
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
-    app.add_middleware(Observe, metrics=metrics, limits=limits, log_prompts=log_prompts)  # outermost
+    app.add_middleware(Observe, metrics=metrics, limits=limits, log_prompts=log_prompts)
+    if cors_allow_origins:  # outermost: preflights carry no API key, and every answer gets the CORS headers
+        app.add_middleware(
+            _CORS,
+            allow_origins=list(cors_allow_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],  # the SDKs send x-stainless-* and OpenAI-* headers
+            expose_headers=["x-request-id", "Retry-After"],
+            max_age=600,
+        )
+    document = openapi.build(api_key=bool(api_key))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse_request(await request.body(), ChatCompletionRequest)
+        req = parse_request(await _json_body(request), ChatCompletionRequest)
         note_request(req.model, lambda: [m.model_dump() for m in req.messages])
         limits.check_n(req.n)
         return _respond(await _unless_disconnected(request, chat.create(pool, req)))
 
     @app.post("/v1/completions")
     async def legacy_completions(request: Request) -> Response:
-        req = parse_request(await request.body(), CompletionRequest)
+        req = parse_request(await _json_body(request), CompletionRequest)
         note_request(req.model, lambda: req.prompt)
         limits.check_n(req.n, req.best_of)
         return _respond(await _unless_disconnected(request, completions.create(pool, req)))
@@ -119,6 +168,10 @@ def create_app(
     async def model(model_id: str) -> Response:
         info = await pool.info(model_id)
         return _json(ModelCard(id=info.model_id, object="model", created=info.created, owned_by=OWNED_BY))
+
+    @app.get("/openapi.json")
+    async def openapi_document() -> Response:
+        return JSONResponse(document)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

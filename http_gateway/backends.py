@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import pathlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,10 +25,35 @@ _MAX_MESSAGE = 64 * 1024 * 1024
 RECONNECT_BACKOFF_MS = 1000
 
 
+@dataclass(frozen=True)
+class BackendTLS:
+    """TLS to the backends: `ca_file` (PEM roots; None = the system's), a client certificate for mutual TLS
+    (`cert_file` + `key_file`), and `server_name` to check in the backend's certificate instead of the host."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("a backend client certificate needs both cert_file and key_file")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path: str | None) -> bytes | None:
+            return pathlib.Path(path).read_bytes() if path else None
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(self.ca_file),
+            private_key=read(self.key_file),
+            certificate_chain=read(self.cert_file),
+        )
+
+
 class Backend:
     """One backend address: a grpc.aio channel (created inside the serving event loop) and its model info."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: BackendTLS | None = None) -> None:
         self.address = address
         options = [
             ("grpc.max_receive_message_length", _MAX_MESSAGE),
@@ -35,7 +62,12 @@ class Backend:
             ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
         ]
-        self.channel = grpc.aio.insecure_channel(address, options=options)
+        if tls is None:
+            self.channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            if tls.server_name:
+                options.append(("grpc.ssl_target_name_override", tls.server_name))
+            self.channel = grpc.aio.secure_channel(address, tls.credentials(), options=options)
         self.stub = pb_grpc.TextGenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.info: pb.ModelInfo | None = None
@@ -60,15 +92,19 @@ class Backend:
 class BackendPool:
     """Backends serving one or more models; requests for a model go round-robin over its backends."""
 
-    def __init__(self, addresses: list[str]) -> None:
+    def __init__(
+        self, addresses: list[str], tls: BackendTLS | None = None, request_timeout_s: float | None = None
+    ) -> None:
         if not addresses:
             raise ValueError("at least one backend address is required")
         self.addresses = list(addresses)
+        self.tls = tls
+        self.request_timeout_s = request_timeout_s  # each Generate's gRPC deadline
         self.backends: list[Backend] = []
         self._rr = itertools.count()
 
     async def start(self) -> None:
-        self.backends = [Backend(a) for a in self.addresses]
+        self.backends = [Backend(a, self.tls) for a in self.addresses]
         await self.refresh()
 
     async def close(self) -> None:
@@ -112,7 +148,7 @@ class BackendPool:
         overload, backend down) become the HTTP status. UNAVAILABLE fails over to the model's next backend."""
         last: grpc.aio.AioRpcError | None = None
         for backend in await self.resolve(model):
-            call = backend.stub.Generate(request)
+            call = backend.stub.Generate(request, timeout=self.request_timeout_s)
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as e:

@@ -31,6 +31,7 @@ class Limits:
     max_body_bytes: int = 4 * 1024 * 1024
     max_concurrent_requests: int = 256  # /v1/* requests in flight (streams count until they end)
     max_n: int = 16  # samples per request (`n`, and `best_of` for completions)
+    request_timeout_s: float | None = None  # the backend call's gRPC deadline (queueing included); then 504
 
     def check_n(self, n: int | None, best_of: int | None = None) -> None:
         for name, value in (("n", n), ("best_of", best_of)):

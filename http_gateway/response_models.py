@@ -120,3 +120,16 @@ class ModelCard(OpenAIObject):
 class ModelList(OpenAIObject):
     object: Literal["list"]
     data: list[ModelCard]
+
+
+class ErrorDetail(OpenAIObject):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(OpenAIObject):
+    """Every error body (errors.APIError renders it); here for the OpenAPI document."""
+
+    error: ErrorDetail

@@ -14,13 +14,14 @@ API_KEY = "sk-test-key"  # the keyed gateway's key
 
 
 class GatewayServer:
-    def __init__(self, backends: list[str], api_key: str | None = None) -> None:
+    def __init__(self, backends: list[str], api_key: str | None = None, **app_options) -> None:
+        """`app_options`: more `create_app` keywords (limits, cors_allow_origins, ...)."""
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         config = uvicorn.Config(
-            create_app(backends, api_key=api_key),
+            create_app(backends, api_key=api_key, **app_options),
             log_level="warning",
             lifespan="on",
             timeout_graceful_shutdown=1,

@@ -215,14 +215,20 @@ def test_hostile_bodies_get_4xx_in_the_openai_shape_and_the_gateway_keeps_servin
     assert growth < MAX_RSS_GROWTH, f"gateway RSS grew by {growth / 2**20:.0f} MiB over {len(CORPUS)} bodies"
 
 
-def test_valid_json_under_another_content_type_is_never_a_5xx(gw: Gateway) -> None:
-    """The gateway parses the body whatever the content type says (as lenient as OpenAI's SDKs need)."""
+def test_content_type_must_be_json(gw: Gateway) -> None:
+    """A body declared as something else (curl -d sends application/x-www-form-urlencoded) is a 415 that says
+    what to send; JSON with parameters, a +json type, or no Content-Type at all is parsed as JSON."""
     for path, body in VALID.items():
-        for ct in ("text/plain", "application/x-www-form-urlencoded", ""):
+        for ct in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
             r = send(gw, path, body, ct)
-            assert r.status_code == 200 or 400 <= r.status_code < 500, r.text
-            if r.status_code != 200:
-                assert_openai_error(r.json())
+            assert r.status_code == 415, (ct, r.status_code, r.text)
+            err = assert_openai_error(r.json())
+            assert err["code"] == "unsupported_media_type" and "application/json" in err["message"], err
+        for ct in ("application/json; charset=utf-8", "APPLICATION/JSON", "application/merge-patch+json", ""):
+            r = send(gw, path, body, ct)
+            assert r.status_code == 200, (ct, r.status_code, r.text)
+        r = gw.http.post(path, content=json.dumps(body).encode())  # no Content-Type header
+        assert r.status_code == 200, r.text
 
 
 def test_hostile_requests_beyond_the_body(gw: Gateway) -> None:
