@@ -61,9 +61,12 @@ class SampleEvent:
 
 @dataclass
 class ErrorEvent:
-    """The request failed as a whole (engine error, shutdown); no further events follow."""
+    """The request failed as a whole (engine error, shutdown, dropped from the queue); no further events follow.
+
+    `code`: the gRPC status name to end the call with."""
 
     message: str
+    code: str = "INTERNAL"
 
 
 Event = PromptEvent | SampleEvent | ErrorEvent

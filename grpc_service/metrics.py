@@ -127,6 +127,13 @@ class BackendMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
+        self.dropped = Counter(
+            "tpuserve_backend_queue_dropped",
+            "Queued requests dropped before taking a slot, by gRPC status (DEADLINE_EXCEEDED: the client's "
+            "deadline passed; RESOURCE_EXHAUSTED: max_queue_wait).",
+            ["code"],
+            registry=r,
+        )
         r.register(_StateCollector(orchestrator))
         self._http = None
 

@@ -9,8 +9,8 @@ hands each slot's tokens to its sample. It never waits on the network: events re
 from __future__ import annotations
 
 import asyncio
-import heapq
 import collections
+import heapq
 import logging
 import queue
 import threading
@@ -36,9 +36,13 @@ class ShuttingDownError(Exception):
 class RequestStream:
     """The asyncio side of one request: its events, in order, until every sample has finished."""
 
-    def __init__(self, job: GenerationJob, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, job: GenerationJob, loop: asyncio.AbstractEventLoop, deadline: float | None = None
+    ) -> None:
         self.job = job
-        self.cancelled = False
+        self.cancelled = False  # cancelled by the client, or dropped from the queue: never (again) in a slot
+        self.submitted = time.monotonic()
+        self.deadline = deadline  # time.monotonic() by which the client stops waiting (its gRPC deadline)
         self._loop = loop
         self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
 
@@ -78,6 +82,7 @@ class Orchestrator:
         special_ids: frozenset[int],
         max_queue: int = 256,
         idle_wait_s: float = 1.0,
+        max_queue_wait_s: float | None = None,
     ) -> None:
         self.engine = engine
         self._token_bytes = token_bytes
@@ -88,6 +93,7 @@ class Orchestrator:
         self._stopping = threading.Event()
         self._admitting = True
         self._idle_wait_s = idle_wait_s
+        self.max_queue_wait_s = max_queue_wait_s  # longer without a slot: RESOURCE_EXHAUSTED
         # a heap: the lowest free slot first, so live slots stay packed and decode runs on a small batch bucket
         self._free = list(range(engine.slots))
         self._owner: dict[int, tuple[_Running, int]] = {}
@@ -97,6 +103,7 @@ class Orchestrator:
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()
         self.on_generate: Callable[[float], None] | None = None  # seconds per generate call (metrics)
+        self.on_drop: Callable[[str], None] | None = None  # a queued request dropped, by status name (metrics)
 
     # ---- called from the event loop -------------------------------------------------------------------
 
@@ -113,10 +120,12 @@ class Orchestrator:
         )
         self._thread.start()
 
-    def submit(self, job: GenerationJob) -> RequestStream:
+    def submit(self, job: GenerationJob, deadline: float | None = None) -> RequestStream:
+        """Queue `job`. `deadline` (time.monotonic()): when its client stops waiting; a request still queued
+        then is dropped before it takes a slot, like one that waited longer than `max_queue_wait_s`."""
         if not self._admitting:
             raise ShuttingDownError("the server is shutting down and admits no new requests")
-        stream = RequestStream(job, asyncio.get_running_loop())
+        stream = RequestStream(job, asyncio.get_running_loop(), deadline)
         try:
             self._queue.put_nowait(stream)
         except queue.Full:
@@ -185,6 +194,7 @@ class Orchestrator:
 
     def _step(self) -> None:
         self._apply_cancels()
+        self._drop_expired()
         self._admit()
         if self._owner:
             t0 = time.perf_counter()
@@ -209,6 +219,30 @@ class Orchestrator:
                 run.outbox.append(run.trackers[index].end(Finish.CANCELLED))
                 self._release(run, index)
             self._close_if_done(run)
+
+    def _drop_expired(self) -> None:
+        """End every queued request whose client deadline or `max_queue_wait_s` has passed (before a slot)."""
+        now = time.monotonic()
+        with self._queue.mutex:
+            waiting = list(self._queue.queue)
+        if self._head is not None:
+            waiting.append(self._head)
+        for stream in waiting:
+            if stream.cancelled:
+                continue
+            if stream.deadline is not None and now >= stream.deadline:
+                event = ErrorEvent("the request's deadline passed while it waited for a slot", "DEADLINE_EXCEEDED")
+            elif self.max_queue_wait_s is not None and now - stream.submitted >= self.max_queue_wait_s:
+                event = ErrorEvent(
+                    f"no slot was free within max_queue_wait = {self.max_queue_wait_s:g} s; retry later",
+                    "RESOURCE_EXHAUSTED",
+                )
+            else:
+                continue
+            stream.cancelled = True  # admission skips it
+            stream.deliver([event])
+            if self.on_drop is not None:
+                self.on_drop(event.code)
 
     def _admit(self) -> None:
         while True:

@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import pathlib
 import signal
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import grpc
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -36,6 +39,21 @@ MAX_MESSAGE_BYTES = (
     64 * 1024 * 1024
 )  # prompt logprobs of a long prompt with top-20 exceed gRPC's 4 MiB default
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    """Serve gRPC over TLS with `cert_file` (PEM chain) and `key_file`; with `client_ca_file`, clients must
+    present a certificate signed by it (mutual TLS)."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        pair = (pathlib.Path(self.key_file).read_bytes(), pathlib.Path(self.cert_file).read_bytes())
+        ca = pathlib.Path(self.client_ca_file).read_bytes() if self.client_ca_file else None
+        return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
 class GrpcServer:
@@ -87,19 +105,29 @@ async def start_server(
     max_queue: int = 256,
     max_n: int | None = None,
     max_prompt_tokens: int | None = None,
+    max_queue_wait_s: float | None = None,
     warmup: Callable[[], None] | None = None,
     metrics_port: int | None = None,
     log_prompts: bool = False,
+    tls: ServerTLS | None = None,
 ) -> GrpcServer:
     """Bind (port 0 = any free port), start, and start the engine thread (it runs `warmup` first).
 
-    `metrics_port`: serve Prometheus metrics over HTTP on `host` at this port (0 = any free port; None = off)."""
-    orchestrator = Orchestrator(engine, tokenizer.token_bytes, tokenizer.special_ids, max_queue=max_queue)
+    `metrics_port`: serve Prometheus metrics over HTTP on `host` at this port (0 = any free port; None = off).
+    `tls`: serve over TLS instead of plaintext."""
+    orchestrator = Orchestrator(
+        engine,
+        tokenizer.token_bytes,
+        tokenizer.special_ids,
+        max_queue=max_queue,
+        max_queue_wait_s=max_queue_wait_s,
+    )
     metrics = None
     if metrics_port is not None:
         watch_compiles()
         metrics = BackendMetrics(orchestrator)
         orchestrator.on_generate = metrics.generate_seconds.observe
+        orchestrator.on_drop = lambda code: metrics.dropped.labels(code).inc()
     servicer = TextGenerationServicer(
         orchestrator,
         tokenizer,
@@ -126,7 +154,12 @@ async def start_server(
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = (
+        server.add_insecure_port(address)
+        if tls is None
+        else server.add_secure_port(address, tls.credentials())
+    )
     if not bound:
         raise OSError(f"cannot bind the gRPC server to {host}:{port}")
     await server.start()
@@ -153,10 +186,12 @@ async def serve(
     max_queue: int = 256,
     max_n: int | None = None,
     max_prompt_tokens: int | None = None,
+    max_queue_wait_s: float | None = None,
     warmup: Callable[[], None] | None = None,
     drain_timeout_s: float = 30.0,
     metrics_port: int | None = None,
     log_prompts: bool = False,
+    tls: ServerTLS | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code (0 after a graceful stop, 1 if warm-up failed).
 
@@ -170,9 +205,11 @@ async def serve(
         max_queue=max_queue,
         max_n=max_n,
         max_prompt_tokens=max_prompt_tokens,
+        max_queue_wait_s=max_queue_wait_s,
         warmup=warmup,
         metrics_port=metrics_port,
         log_prompts=log_prompts,
+        tls=tls,
     )
     if running.metrics_port is not None:
         log.info("metrics on http://%s:%d/metrics", host, running.metrics_port)
@@ -180,7 +217,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("gRPC listening on %s:%d (warming up)", host, running.port)
+    log.info("gRPC%s listening on %s:%d (warming up)", " (TLS)" if tls else "", host, running.port)
     ready = asyncio.ensure_future(asyncio.shield(running.ready))
     await asyncio.wait([ready, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if ready.done() and ready.exception() is not None:
@@ -194,10 +231,25 @@ async def serve(
     return 0
 
 
+SERVER_DEFAULTS: dict[str, Any] = {
+    "host": "0.0.0.0",
+    "port": 50051,
+    "metrics_port": 0,
+    "log_prompts": False,
+    "log_format": "json",
+    "drain_timeout": 30.0,
+    "tls_cert_file": None,
+    "tls_key_file": None,
+    "tls_client_ca_file": None,
+}
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Flags, then the `server:` section of the --config YAML (keys = the flags' long names with underscores;
+    its `engine:` section configures the engine), then SERVER_DEFAULTS."""
     p = argparse.ArgumentParser(prog="tpuserve grpc", description="Serve a model over gRPC (tpuserve.v1).")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--host", default=None, help="default 0.0.0.0")
+    p.add_argument("--port", type=int, default=None, help="default 50051")
     p.add_argument("--model", default=None, help="GGUF file, HF model directory or Orbax checkpoint")
     p.add_argument("--config", default=None, help="YAML config (configs/*.yaml); flags override it")
     p.add_argument(
@@ -211,14 +263,59 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="longest prompt accepted (default: context length)",
     )
     p.add_argument(
-        "--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this HTTP port (0 = off)"
+        "--max-queue-wait",
+        type=float,
+        default=None,
+        help="seconds a request may wait for a slot, then RESOURCE_EXHAUSTED (default: no limit)",
     )
-    p.add_argument("--log-prompts", action="store_true", help="include prompts in the per-request log lines")
-    p.add_argument("--log-format", choices=("json", "text"), default="json")
     p.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM"
+        "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this HTTP port (0 = off)"
     )
-    return p.parse_args(argv)
+    p.add_argument(
+        "--log-prompts",
+        action="store_true",
+        default=None,
+        help="include prompts in the per-request log lines",
+    )
+    p.add_argument("--log-format", choices=("json", "text"), default=None, help="default json")
+    p.add_argument(
+        "--drain-timeout", type=float, default=None, help="seconds in-flight requests get on SIGTERM (30)"
+    )
+    p.add_argument(
+        "--tls-cert-file", default=None, help="serve gRPC over TLS with this PEM certificate (chain)"
+    )
+    p.add_argument("--tls-key-file", default=None, help="the PEM private key of --tls-cert-file")
+    p.add_argument(
+        "--tls-client-ca-file",
+        default=None,
+        help="require client certificates signed by this CA (mutual TLS)",
+    )
+    ns = p.parse_args(argv)
+    settings = dict(SERVER_DEFAULTS)
+    if ns.config:
+        data = yaml.safe_load(pathlib.Path(ns.config).read_text()) or {}
+        section = data.get("server", {}) if isinstance(data, dict) else None
+        if not isinstance(section, dict):
+            p.error(f"{ns.config}: `server:` must be a mapping of server settings")
+        unknown = sorted(set(section) - set(SERVER_DEFAULTS))
+        if unknown:
+            p.error(f"{ns.config}: unknown server setting(s) {', '.join(unknown)}")
+        settings.update({k: v for k, v in section.items() if v is not None})
+    settings.update({k: v for k, v in vars(ns).items() if v is not None and k in SERVER_DEFAULTS})
+    if (settings["tls_cert_file"] is None) != (settings["tls_key_file"] is None):
+        p.error("TLS needs both --tls-cert-file and --tls-key-file")
+    if settings["tls_client_ca_file"] and not settings["tls_cert_file"]:
+        p.error("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
+    return argparse.Namespace(**settings, **{k: getattr(ns, k) for k in ENGINE_FLAGS}, config=ns.config)
+
+
+ENGINE_FLAGS = ("model", "max_queue", "max_n", "max_prompt_tokens", "max_queue_wait")
+
+
+def tls_of(args: argparse.Namespace) -> ServerTLS | None:
+    if args.tls_cert_file is None:
+        return None
+    return ServerTLS(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -232,13 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tpuserve.sampler.config import load_config  # these import JAX: only when really serving
     from tpuserve.sampler.factory import load_engine
 
-    overrides = {
-        "model": args.model,
-        "max_queue": args.max_queue,
-        "max_n": args.max_n,
-        "max_prompt_tokens": args.max_prompt_tokens,
-    }
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, {k: getattr(args, k) for k in ENGINE_FLAGS})
     engine, tokenizer, model_id = load_engine(dataclasses.replace(cfg, warm_up=False))
     return asyncio.run(
         serve(
@@ -250,9 +341,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_queue=cfg.max_queue,
             max_n=cfg.max_n,
             max_prompt_tokens=cfg.max_prompt_tokens,
+            max_queue_wait_s=cfg.max_queue_wait,
             warmup=engine.warm_up if cfg.warm_up else None,
             drain_timeout_s=args.drain_timeout,
             metrics_port=args.metrics_port or None,
             log_prompts=args.log_prompts,
+            tls=tls_of(args),
         )
     )

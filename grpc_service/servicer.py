@@ -129,7 +129,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         rec.request_id = job.request_id
         rec.prompt_tokens = len(job.prompt_ids)
         try:
-            stream = self.orchestrator.submit(job)
+            remaining = context.time_remaining()  # None without a client deadline
+            deadline = None if remaining is None else time.monotonic() + remaining
+            stream = self.orchestrator.submit(job, deadline)
         except QueueFullError as e:
             rec.code, rec.error = "RESOURCE_EXHAUSTED", str(e)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -168,6 +170,11 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                     yield convert.response(job.request_id, event, sent[event.index], prompt_len)
                     sent[event.index] += len(event.tokens)
                     finished[event.index] = event.finish is not None
+                elif isinstance(event, ErrorEvent) and event.code != "INTERNAL":
+                    # dropped from the queue (deadline passed, max_queue_wait): nothing was sent yet
+                    finished = [True] * job.n
+                    rec.code, rec.error = event.code, event.message
+                    await context.abort(grpc.StatusCode[event.code], event.message)
                 elif isinstance(event, ErrorEvent):
                     for index in (i for i, done in enumerate(finished) if not done):
                         failed = SampleEvent(index, finish=Finish.ERROR, error=event.message)

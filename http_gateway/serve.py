@@ -2,7 +2,9 @@
 run the OpenAI-compatible gateway with uvicorn. The API key may also come from $TPUSERVE_API_KEY.
 
 Settings come from flags, then the optional YAML `--config` (keys = the flags' long names with underscores,
-e.g. `backend: [host:port]`, `max_body_bytes: 4194304`; see configs/gateway.yaml), then the defaults."""
+e.g. `backend: [host:port]`, `max_body_bytes: 4194304`, `cors_allow_origins: [...]`; under a `gateway:` section
+when the file also holds the backend's `engine:`/`server:` sections; see configs/gateway.yaml), then the
+defaults."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any
 import uvicorn
 import yaml
 from tpuserve.http_gateway.app import create_app
+from tpuserve.http_gateway.backends import BackendTLS
 from tpuserve.http_gateway.observability import Limits
 from tpuserve.proto import jsonlog
 
@@ -31,7 +34,18 @@ DEFAULTS: dict[str, Any] = {
     "max_body_bytes": Limits.max_body_bytes,
     "max_concurrent_requests": Limits.max_concurrent_requests,
     "max_n": Limits.max_n,
+    "request_timeout": None,
+    "cors_allow_origins": [],
+    "tls_cert_file": None,
+    "tls_key_file": None,
+    "backend_tls": False,
+    "backend_tls_ca_file": None,
+    "backend_tls_cert_file": None,
+    "backend_tls_key_file": None,
+    "backend_tls_server_name": None,
 }
+# Sections of a YAML file shared with the backend (`tpuserve serve --config`): the gateway reads only its own.
+OTHER_SECTIONS = {"engine", "server"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -66,6 +80,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="more /v1/* requests in flight get 429 (256)",
     )
     parser.add_argument("--max-n", type=int, default=None, help="larger n / best_of get 400 (default 16)")
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a generation may take, queueing included (the backend call's gRPC deadline; then 504); "
+        "default none",
+    )
+    parser.add_argument(
+        "--cors-allow-origin",
+        dest="cors_allow_origins",
+        action="append",
+        default=None,
+        metavar="ORIGIN",
+        help="allow browser calls from ORIGIN (repeat; '*' = any); CORS is off without it",
+    )
+    parser.add_argument("--tls-cert-file", default=None, help="serve HTTPS with this PEM certificate (chain)")
+    parser.add_argument("--tls-key-file", default=None, help="the PEM private key of --tls-cert-file")
+    parser.add_argument(
+        "--backend-tls", action="store_true", default=None, help="reach the backends over TLS (system roots)"
+    )
+    parser.add_argument(
+        "--backend-tls-ca-file", default=None, help="PEM roots for the backends' certificates"
+    )
+    parser.add_argument("--backend-tls-cert-file", default=None, help="client certificate (mutual TLS)")
+    parser.add_argument("--backend-tls-key-file", default=None, help="the client certificate's private key")
+    parser.add_argument(
+        "--backend-tls-server-name", default=None, help="name to check in the backends' certificates"
+    )
     args = list(argv) if argv is not None else None
     if args and args[0] == "gateway":
         args = args[1:]
@@ -74,7 +116,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     settings["api_key"] = os.environ.get(API_KEY_ENV) or None
     if ns.config:
         data = yaml.safe_load(pathlib.Path(ns.config).read_text()) or {}
-        data = data.get("gateway", data)
+        if isinstance(data, dict):
+            data = data.get("gateway", {} if OTHER_SECTIONS & set(data) else data)
         if not isinstance(data, dict):
             parser.error(f"{ns.config}: expected a mapping of gateway settings")
         unknown = sorted(set(data) - set(DEFAULTS))
@@ -82,11 +125,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"{ns.config}: unknown setting(s) {', '.join(unknown)}")
         settings.update({k: v for k, v in data.items() if v is not None})
     settings.update({k: v for k, v in vars(ns).items() if k in DEFAULTS and v is not None})
-    if isinstance(settings["backend"], str):
-        settings["backend"] = [settings["backend"]]
+    for key in ("backend", "cors_allow_origins"):
+        if isinstance(settings[key], str):
+            settings[key] = [settings[key]]
     if not settings["backend"]:
         parser.error("at least one --backend (or `backend:` in --config) is required")
+    if (settings["tls_cert_file"] is None) != (settings["tls_key_file"] is None):
+        parser.error("HTTPS needs both --tls-cert-file and --tls-key-file")
+    if (settings["backend_tls_cert_file"] is None) != (settings["backend_tls_key_file"] is None):
+        parser.error(
+            "a backend client certificate needs both --backend-tls-cert-file and --backend-tls-key-file"
+        )
     return argparse.Namespace(**settings)
+
+
+def backend_tls_of(args: argparse.Namespace) -> BackendTLS | None:
+    """TLS to the backends when `backend_tls` or any backend_tls_* path is set."""
+    fields = {
+        "ca_file": args.backend_tls_ca_file,
+        "cert_file": args.backend_tls_cert_file,
+        "key_file": args.backend_tls_key_file,
+        "server_name": args.backend_tls_server_name,
+    }
+    if not args.backend_tls and all(v is None for v in fields.values()):
+        return None
+    return BackendTLS(**fields)
 
 
 def limits_of(args: argparse.Namespace) -> Limits:
@@ -94,6 +157,7 @@ def limits_of(args: argparse.Namespace) -> Limits:
         max_body_bytes=int(args.max_body_bytes),
         max_concurrent_requests=int(args.max_concurrent_requests),
         max_n=int(args.max_n),
+        request_timeout_s=None if args.request_timeout is None else float(args.request_timeout),
     )
 
 
@@ -105,13 +169,25 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     jsonlog.setup(args.log_level, args.log_format)
     app = create_app(
-        args.backend, api_key=args.api_key, limits=limits_of(args), log_prompts=bool(args.log_prompts)
+        args.backend,
+        api_key=args.api_key,
+        limits=limits_of(args),
+        log_prompts=bool(args.log_prompts),
+        cors_allow_origins=args.cors_allow_origins,
+        backend_tls=backend_tls_of(args),
     )
     # uvicorn re-raises SIGTERM with the previous handler after its graceful shutdown: exit 0 there.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     # Our handler formats uvicorn's logs too; our own request lines replace its access log.
     uvicorn.run(
-        app, host=args.host, port=args.port, log_level=args.log_level, log_config=None, access_log=False
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        log_config=None,
+        access_log=False,
+        ssl_certfile=args.tls_cert_file,
+        ssl_keyfile=args.tls_key_file,
     )
 
 

@@ -2,7 +2,11 @@
 
 The backend is a child process (it owns JAX and the devices; the gateway process never imports JAX). The gateway's
 /health answers 503 until the backend's gRPC health says SERVING (after warm-up). SIGTERM/SIGINT stops the
-gateway, then the backend drains its in-flight requests and exits."""
+gateway, then the backend drains its in-flight requests and exits.
+
+`--config FILE` goes to both processes: the backend reads its `engine:` and `server:` sections, the gateway its
+`gateway:` section. Flags this command does not know are the gateway's (`tpuserve gateway --help`): limits,
+CORS, HTTPS, request timeout."""
 
 from __future__ import annotations
 
@@ -23,12 +27,18 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tpuserve serve", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="tpuserve serve",
+        description=__doc__.split("\n\n")[0],
+        epilog="Other flags are passed to the gateway; see `tpuserve gateway --help`.",
+    )
     p.add_argument("--host", default=os.environ.get("HOST", "0.0.0.0"))
     p.add_argument("--port", type=int, default=int(os.environ.get("PORT", 8000)))
     p.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 50051)))
     p.add_argument("--model", default=None, help="GGUF file, HF directory or Orbax checkpoint (default: embedded)")
-    p.add_argument("--config", default=None, help="backend YAML config (configs/*.yaml)")
+    p.add_argument(
+        "--config", default=None, help="YAML config (configs/*.yaml): engine:/server: sections, gateway: section"
+    )
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (or $TPUSERVE_API_KEY)")
     p.add_argument(
         "--metrics-port",
@@ -37,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         help="backend Prometheus metrics HTTP port (default: GRPC_PORT + 1; 0 = off); the gateway's are at /metrics",
     )
     p.add_argument("--log-prompts", action="store_true", help="include prompts in both processes' request logs")
-    args = p.parse_args(argv)
+    args, gateway_extra = p.parse_known_args(argv)
     metrics_port = args.grpc_port + 1 if args.metrics_port is None else args.metrics_port
 
     backend_cmd = [sys.executable, "-m", "tpuserve.grpc_service", "--host", "127.0.0.1", "--port", str(args.grpc_port)]
@@ -54,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         gateway_argv += ["--api-key", args.api_key]
     if args.log_prompts:
         gateway_argv += ["--log-prompts"]
+    if args.config:
+        gateway_argv += ["--config", args.config]
+    gateway_argv += gateway_extra
     from tpuserve.http_gateway.serve import main as gateway_main
 
     try:

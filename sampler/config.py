@@ -30,6 +30,7 @@ class EngineConfig:
     max_queue: int = 256              # admission queue bound; beyond it RESOURCE_EXHAUSTED
     max_n: int = 16
     max_prompt_tokens: int | None = None  # prompts longer than this are INVALID_ARGUMENT; None = context length
+    max_queue_wait: float | None = None   # seconds a request may wait for a slot, then RESOURCE_EXHAUSTED
     warm_up: bool = True
 
 
@@ -38,7 +39,8 @@ def load_config(path: str | pathlib.Path | None, overrides: dict[str, Any] | Non
     data: dict[str, Any] = {}
     if path is not None:
         raw = yaml.safe_load(pathlib.Path(path).read_text()) or {}
-        raw = raw.get("engine", raw)
+        if isinstance(raw, dict):  # a file with `server:`/`gateway:` sections keeps the engine's under `engine:`
+            raw = raw.get("engine", {} if {"server", "gateway"} & set(raw) else raw)
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: expected a mapping of engine settings")
         data.update(raw)

@@ -92,6 +92,48 @@ def test_deadline_frees_the_slot(tokenizer):
         server.close()
 
 
+def test_queued_request_past_its_deadline_never_takes_a_slot(tokenizer):
+    engine = make_engine(tokenizer, slots=1, max_seq_len=4096, delay_s=0.01)
+    server = ServerThread(engine, tokenizer)
+    try:
+        holder = server.stub.Generate(
+            pb.GenerateRequest(text="hold the slot", stopping=pb.StoppingCriteria(max_tokens=800)), timeout=30
+        )
+        wait_until(lambda: len(engine.inserts) == 1)
+        with pytest.raises(grpc.RpcError) as info:
+            generate(server.stub, timeout=0.3, text="late", stopping=pb.StoppingCriteria(max_tokens=4))
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert list(holder)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        after = generate(server.stub, text="next", stopping=pb.StoppingCriteria(max_tokens=4))
+        assert after[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(engine.inserts) == 2, "the expired request took a slot"  # the holder and "next" only
+    finally:
+        server.close()
+
+
+def test_max_queue_wait_answers_resource_exhausted_before_a_slot(tokenizer):
+    engine = make_engine(tokenizer, slots=1, max_seq_len=4096, delay_s=0.01)
+    server = ServerThread(engine, tokenizer, max_queue_wait_s=0.2, metrics_port=0)
+    try:
+        holder = server.stub.Generate(
+            pb.GenerateRequest(text="hold the slot", stopping=pb.StoppingCriteria(max_tokens=800)), timeout=30
+        )
+        wait_until(lambda: len(engine.inserts) == 1)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            generate(server.stub, text="waits too long", stopping=pb.StoppingCriteria(max_tokens=4))
+        waited = time.monotonic() - t0
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_queue_wait = 0.2 s" in info.value.details()
+        assert 0.2 <= waited < 1.5, waited  # answered soon after the limit, not when the slot frees (~2 s)
+        assert list(holder)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(engine.inserts) == 1
+        dropped = server.server.metrics.dropped.labels("RESOURCE_EXHAUSTED")._value.get()
+        assert dropped == 1
+    finally:
+        server.close()
+
+
 def test_full_queue_is_resource_exhausted(tokenizer):
     engine = make_engine(tokenizer, slots=1)
     engine.gate = threading.Event()

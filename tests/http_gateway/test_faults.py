@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -336,18 +337,27 @@ def test_100_streams_closed_mid_generation_free_every_slot(real_backend) -> None
 # ---- SIGTERM on the gateway process drains in-flight requests ----------------------------------------
 
 
-def start_gateway_process(backends: list[str], port: int) -> subprocess.Popen:
+def start_gateway_process(
+    backends: list[str],
+    port: int,
+    args: tuple[str, ...] = (),
+    ca_file: str | None = None,
+    health: int = 200,
+) -> subprocess.Popen:
+    """`tpuserve gateway` on 127.0.0.1:`port` (plus `args`), once its /health answers `health` (over HTTPS,
+    checked against `ca_file`, when that is given)."""
     cmd = [sys.executable, "-m", "tpuserve.http_gateway.cli", "gateway", "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "warning"]  # fmt: skip
+           "--port", str(port), "--log-level", "warning", *args]  # fmt: skip
     for b in backends:
         cmd += ["--backend", b]
     env = {k: v for k, v in os.environ.items() if k != "TPUSERVE_API_KEY"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if ca_file else 'http'}://127.0.0.1:{port}"
+    verify = ssl.create_default_context(cafile=ca_file) if ca_file else True
     deadline = time.monotonic() + 30
     while True:
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(url + "/health", timeout=2, verify=verify).status_code == health:
                 return proc
         except httpx.HTTPError:
             pass

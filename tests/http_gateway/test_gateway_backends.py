@@ -3,6 +3,7 @@ cancellation on client disconnect, and the `tpuserve gateway` entry point."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -12,8 +13,9 @@ import time
 import httpx
 import pytest
 from gateway_checks import check_spec, post, strict_json
-from gateway_harness import GatewayServer
+from gateway_harness import GatewayServer, sse_events
 from scripted_backend import CREATED, MODEL_ID, ScriptedBackend, encode
+from tpuserve.http_gateway.observability import Limits
 from tpuserve.http_gateway.serve import parse_args
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 
@@ -232,6 +234,29 @@ def test_client_timeout_on_a_non_streamed_request_cancels_the_backend_call(scrip
 
 
 # ---- entry point -----------------------------------------------------------------------------------------
+
+
+def test_request_timeout_is_the_backend_calls_deadline(scripted) -> None:
+    """`request_timeout`: a generation that runs longer ends with 504 (non-streamed) or an error event (streamed),
+    since the backend call's gRPC deadline passed (the backend then frees the slots: test_deadline_frees_the_slot
+    in tests/grpc_service/test_server.py); the gateway keeps serving."""
+    server = GatewayServer([scripted.address], limits=Limits(request_timeout_s=0.5)).start()
+    body = {"model": MODEL_ID, "prompt": "slow:loop:tick", "max_tokens": 2000}  # 10 ms a token: ~20 s
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            t0 = time.monotonic()
+            r = http.post(COMPLETIONS, json=body)
+            assert r.status_code == 504, r.text
+            assert r.json()["error"]["code"] == "timeout"
+            assert time.monotonic() - t0 < 5
+            r = http.post(COMPLETIONS, json={**body, "stream": True})
+            assert r.status_code == 200  # the stream had started: its last event before [DONE] is the error
+            events = [e for e in sse_events(r.text) if e != "[DONE]"]
+            assert json.loads(events[-1])["error"]["code"] == "timeout", events[-1]
+            ok = http.post(COMPLETIONS, json={"model": MODEL_ID, "prompt": "say:fine", "max_tokens": 8})
+            assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "fine"
+    finally:
+        server.stop()
 
 
 def test_parse_args_reads_repeated_backends_and_the_key_from_the_environment(monkeypatch) -> None:
