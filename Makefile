@@ -6,7 +6,7 @@ GRPC_PORT ?= 50051
 VENV := .venv
 TVENV := .venv-test
 
-.PHONY: serve test bench proto lint install install-test clean
+.PHONY: serve test bench soak proto lint install install-test clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ test: $(TVENV)/.installed
 
 bench: $(TVENV)/.installed
 	$(TVENV)/bin/python -m bench.run $(ARGS)
+
+# 256 streaming clients x 60 s against the real backend + gateway processes (ARGS="--clients 16 --duration 10").
+soak: $(TVENV)/.installed
+	$(TVENV)/bin/python -m bench.soak $(ARGS)
 
 # Regenerate the committed gRPC stubs from proto/tpuserve/v1/*.proto.
 proto: $(TVENV)/.installed
