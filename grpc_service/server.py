@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -25,6 +24,7 @@ from tpuserve.grpc_service.metrics import BackendMetrics, watch_compiles
 from tpuserve.grpc_service.orchestrator import Orchestrator
 from tpuserve.grpc_service.servicer import TextGenerationServicer
 from tpuserve.proto import jsonlog
+from tpuserve.proto.settings import merge
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2_grpc as pb_grpc
 from tpuserve.sampler.api import Engine
@@ -291,17 +291,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="require client certificates signed by this CA (mutual TLS)",
     )
     ns = p.parse_args(argv)
-    settings = dict(SERVER_DEFAULTS)
-    if ns.config:
-        data = yaml.safe_load(pathlib.Path(ns.config).read_text()) or {}
-        section = data.get("server", {}) if isinstance(data, dict) else None
-        if not isinstance(section, dict):
-            p.error(f"{ns.config}: `server:` must be a mapping of server settings")
-        unknown = sorted(set(section) - set(SERVER_DEFAULTS))
-        if unknown:
-            p.error(f"{ns.config}: unknown server setting(s) {', '.join(unknown)}")
-        settings.update({k: v for k, v in section.items() if v is not None})
-    settings.update({k: v for k, v in vars(ns).items() if v is not None and k in SERVER_DEFAULTS})
+    try:
+        settings = merge(SERVER_DEFAULTS, ns.config, "server", vars(ns))
+    except ValueError as e:
+        p.error(str(e))
     if (settings["tls_cert_file"] is None) != (settings["tls_key_file"] is None):
         p.error("TLS needs both --tls-cert-file and --tls-key-file")
     if settings["tls_client_ca_file"] and not settings["tls_cert_file"]:

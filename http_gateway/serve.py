@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import signal
 from typing import Any
 
 import uvicorn
-import yaml
 from tpuserve.http_gateway.app import create_app
 from tpuserve.http_gateway.backends import BackendTLS
 from tpuserve.http_gateway.observability import Limits
 from tpuserve.proto import jsonlog
+from tpuserve.proto.settings import merge
 
 API_KEY_ENV = "TPUSERVE_API_KEY"
 
@@ -44,8 +43,6 @@ DEFAULTS: dict[str, Any] = {
     "backend_tls_key_file": None,
     "backend_tls_server_name": None,
 }
-# Sections of a YAML file shared with the backend (`tpuserve serve --config`): the gateway reads only its own.
-OTHER_SECTIONS = {"engine", "server"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -112,19 +109,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args and args[0] == "gateway":
         args = args[1:]
     ns = parser.parse_args(args)
-    settings = dict(DEFAULTS)
-    settings["api_key"] = os.environ.get(API_KEY_ENV) or None
-    if ns.config:
-        data = yaml.safe_load(pathlib.Path(ns.config).read_text()) or {}
-        if isinstance(data, dict):
-            data = data.get("gateway", {} if OTHER_SECTIONS & set(data) else data)
-        if not isinstance(data, dict):
-            parser.error(f"{ns.config}: expected a mapping of gateway settings")
-        unknown = sorted(set(data) - set(DEFAULTS))
-        if unknown:
-            parser.error(f"{ns.config}: unknown setting(s) {', '.join(unknown)}")
-        settings.update({k: v for k, v in data.items() if v is not None})
-    settings.update({k: v for k, v in vars(ns).items() if k in DEFAULTS and v is not None})
+    defaults = {**DEFAULTS, "api_key": os.environ.get(API_KEY_ENV) or None}
+    try:  # a file with only gateway keys (no sections) is read as the gateway's
+        settings = merge(defaults, ns.config, "gateway", vars(ns), flat=True)
+    except ValueError as e:
+        parser.error(str(e))
     for key in ("backend", "cors_allow_origins"):
         if isinstance(settings[key], str):
             settings[key] = [settings[key]]

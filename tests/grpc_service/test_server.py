@@ -92,14 +92,19 @@ def test_deadline_frees_the_slot(tokenizer):
         server.close()
 
 
+def hold_the_only_slot(server: ServerThread, engine) -> grpc.Future:
+    """A request that keeps the 1-slot engine busy for ~2 s (800 tokens, 4 per 10 ms call); it has its slot."""
+    request = pb.GenerateRequest(text="hold the slot", stopping=pb.StoppingCriteria(max_tokens=800))
+    holder = server.stub.Generate(request, timeout=30)
+    wait_until(lambda: len(engine.inserts) == 1)
+    return holder
+
+
 def test_queued_request_past_its_deadline_never_takes_a_slot(tokenizer):
     engine = make_engine(tokenizer, slots=1, max_seq_len=4096, delay_s=0.01)
     server = ServerThread(engine, tokenizer)
     try:
-        holder = server.stub.Generate(
-            pb.GenerateRequest(text="hold the slot", stopping=pb.StoppingCriteria(max_tokens=800)), timeout=30
-        )
-        wait_until(lambda: len(engine.inserts) == 1)
+        holder = hold_the_only_slot(server, engine)
         with pytest.raises(grpc.RpcError) as info:
             generate(server.stub, timeout=0.3, text="late", stopping=pb.StoppingCriteria(max_tokens=4))
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -115,10 +120,7 @@ def test_max_queue_wait_answers_resource_exhausted_before_a_slot(tokenizer):
     engine = make_engine(tokenizer, slots=1, max_seq_len=4096, delay_s=0.01)
     server = ServerThread(engine, tokenizer, max_queue_wait_s=0.2, metrics_port=0)
     try:
-        holder = server.stub.Generate(
-            pb.GenerateRequest(text="hold the slot", stopping=pb.StoppingCriteria(max_tokens=800)), timeout=30
-        )
-        wait_until(lambda: len(engine.inserts) == 1)
+        holder = hold_the_only_slot(server, engine)
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as info:
             generate(server.stub, text="waits too long", stopping=pb.StoppingCriteria(max_tokens=4))

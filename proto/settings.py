@@ -1,0 +1,52 @@
+"""Settings of one process from defaults, one section of a YAML file, then command-line flags (flags win).
+
+One file may configure every process: `engine:` (the model and engine), `server:` (the gRPC backend) and
+`gateway:` (the HTTP gateway); each process reads only its own section. A file without any of these sections is
+read as the flat settings of the process that accepts that (`flat=True`). Shared by the gateway and the backend,
+so it lives in this package (no JAX)."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+SECTIONS = ("engine", "server", "gateway")
+
+
+def load_section(path: str | pathlib.Path, name: str, flat: bool = False) -> dict[str, Any]:
+    """The `name:` mapping of the YAML file (empty if absent); with `flat`, a file with no section is it."""
+    data = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of settings")  # noqa: TRY004 (bad file content)
+    if name in data:
+        section = data[name]
+    elif flat and not set(SECTIONS) & set(data):
+        section = data
+    else:
+        section = {}
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}: `{name}:` must be a mapping of settings")  # noqa: TRY004
+    return section
+
+
+def merge(
+    defaults: Mapping[str, Any],
+    path: str | pathlib.Path | None,
+    name: str,
+    flags: Mapping[str, Any],
+    flat: bool = False,
+) -> dict[str, Any]:
+    """`defaults`, then the file's `name` section (unknown keys are a ValueError), then the flags that were given
+    (not None) among the keys of `defaults`."""
+    settings = dict(defaults)
+    if path:
+        section = load_section(path, name, flat)
+        unknown = sorted(set(section) - set(defaults))
+        if unknown:
+            raise ValueError(f"{path}: unknown {name} setting(s) {', '.join(unknown)}")
+        settings.update({k: v for k, v in section.items() if v is not None})
+    settings.update({k: v for k, v in flags.items() if k in defaults and v is not None})
+    return settings
