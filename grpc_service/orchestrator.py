@@ -93,6 +93,8 @@ class Orchestrator:
         self._stopping = threading.Event()
         self._admitting = True
         self._idle_wait_s = idle_wait_s
+        if max_queue_wait_s is not None and max_queue_wait_s <= 0:
+            raise ValueError(f"max_queue_wait must be positive seconds (or unset), not {max_queue_wait_s}")
         self.max_queue_wait_s = max_queue_wait_s  # longer without a slot: RESOURCE_EXHAUSTED
         # a heap: the lowest free slot first, so live slots stay packed and decode runs on a small batch bucket
         self._free = list(range(engine.slots))
@@ -103,7 +105,9 @@ class Orchestrator:
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()
         self.on_generate: Callable[[float], None] | None = None  # seconds per generate call (metrics)
-        self.on_drop: Callable[[str], None] | None = None  # a queued request dropped, by status name (metrics)
+        self.on_drop: Callable[[str], None] | None = (
+            None  # a queued request dropped, by status name (metrics)
+        )
 
     # ---- called from the event loop -------------------------------------------------------------------
 
@@ -159,8 +163,11 @@ class Orchestrator:
 
     @property
     def queued(self) -> int:
-        """Requests waiting in the admission queue (approximate, for metrics and tests)."""
-        return self._queue.qsize() + (self._head is not None)
+        """Requests waiting for a slot (not yet dropped or cancelled); for metrics and tests."""
+        head = self._head
+        with self._queue.mutex:
+            waiting = sum(not s.cancelled for s in self._queue.queue)
+        return waiting + (head is not None and not head.cancelled)
 
     # ---- the engine thread ----------------------------------------------------------------------------
 
@@ -194,8 +201,8 @@ class Orchestrator:
 
     def _step(self) -> None:
         self._apply_cancels()
+        self._admit()  # first: a request that finds a free slot now is served, however long it waited
         self._drop_expired()
-        self._admit()
         if self._owner:
             t0 = time.perf_counter()
             try:
@@ -220,29 +227,42 @@ class Orchestrator:
                 self._release(run, index)
             self._close_if_done(run)
 
+    def _expiry(self, stream: RequestStream, now: float) -> ErrorEvent | None:
+        """Why a queued request must not wait any longer (its client's deadline, max_queue_wait), or None."""
+        if stream.deadline is not None and now >= stream.deadline:
+            return ErrorEvent("the request's deadline passed while it waited for a slot", "DEADLINE_EXCEEDED")
+        if self.max_queue_wait_s is not None and now - stream.submitted >= self.max_queue_wait_s:
+            return ErrorEvent(
+                f"no slot was free within max_queue_wait = {self.max_queue_wait_s:g} s; retry later",
+                "RESOURCE_EXHAUSTED",
+            )
+        return None
+
+    def _drop(self, stream: RequestStream, event: ErrorEvent) -> None:
+        stream.cancelled = True  # admission skips it
+        stream.deliver([event])
+        if self.on_drop is not None:
+            self.on_drop(event.code)
+
     def _drop_expired(self) -> None:
-        """End every queued request whose client deadline or `max_queue_wait_s` has passed (before a slot)."""
+        """After admission: end every request still waiting past its deadline or `max_queue_wait_s`, and take the
+        ended and client-cancelled ones out of the queue (they would count against `max_queue`)."""
         now = time.monotonic()
         with self._queue.mutex:
             waiting = list(self._queue.queue)
         if self._head is not None:
             waiting.append(self._head)
         for stream in waiting:
-            if stream.cancelled:
-                continue
-            if stream.deadline is not None and now >= stream.deadline:
-                event = ErrorEvent("the request's deadline passed while it waited for a slot", "DEADLINE_EXCEEDED")
-            elif self.max_queue_wait_s is not None and now - stream.submitted >= self.max_queue_wait_s:
-                event = ErrorEvent(
-                    f"no slot was free within max_queue_wait = {self.max_queue_wait_s:g} s; retry later",
-                    "RESOURCE_EXHAUSTED",
-                )
-            else:
-                continue
-            stream.cancelled = True  # admission skips it
-            stream.deliver([event])
-            if self.on_drop is not None:
-                self.on_drop(event.code)
+            if not stream.cancelled and (event := self._expiry(stream, now)) is not None:
+                self._drop(stream, event)
+        if self._head is not None and self._head.cancelled:
+            self._head = None
+        with self._queue.mutex:  # only this thread takes from the queue; submit() may append meanwhile
+            if any(s.cancelled for s in self._queue.queue):
+                live = [s for s in self._queue.queue if not s.cancelled]
+                self._queue.queue.clear()
+                self._queue.queue.extend(live)
+                self._queue.not_full.notify_all()
 
     def _admit(self) -> None:
         while True:
@@ -254,6 +274,13 @@ class Orchestrator:
             stream = self._head
             if stream.cancelled:
                 self._head = None
+                continue
+            now = time.monotonic()
+            if stream.deadline is not None and now >= stream.deadline:
+                # its client has stopped waiting: no slot for it. (max_queue_wait is not checked here: a request
+                # that finds a free slot is served however long it waited.)
+                self._head = None
+                self._drop(stream, self._expiry(stream, now))
                 continue
             if stream.job.max_tokens > 0 and len(self._free) < stream.job.n:
                 return  # first come, first served: wait for slots

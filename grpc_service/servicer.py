@@ -90,7 +90,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             async for msg in inner:
                 yield msg
         except asyncio.CancelledError:
-            rec.code = "CANCELLED"
+            if rec.code == "OK":  # not already DEADLINE_EXCEEDED (set where the stream was given up)
+                rec.code = "CANCELLED"
             raise
         finally:
             await inner.aclose()  # now, not at garbage collection: its `finally` frees the slots
@@ -188,7 +189,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, event.message)
         finally:
             if not all(finished):  # the client went away (cancel, deadline): free the slots
-                rec.code = "CANCELLED"
+                remaining = context.time_remaining()
+                rec.code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
                 self.orchestrator.cancel(stream)
             self._open.discard(stream)
             if not self._open:

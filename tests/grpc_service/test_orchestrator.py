@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from tpuserve.grpc_service.jobs import ErrorEvent, Finish, GenerationJob, PromptEvent, SampleEvent
@@ -200,6 +201,65 @@ def test_queue_full():
     finally:
         orch.close()
     assert all(samples(r)[0][-1].finish is Finish.LENGTH for r in results)
+
+
+def test_queued_requests_past_their_deadline_or_max_queue_wait_are_dropped_before_a_slot():
+    """The engine thread ends waiting requests whose deadline passed (DEADLINE_EXCEEDED) or that waited longer
+    than max_queue_wait (RESOURCE_EXHAUSTED), gives them no slot, and takes them out of the queue."""
+    engine = FakeEngine(VOCAB, EOS, slots=1, delay_s=0.01)  # 4 tokens per 10 ms call
+    drops: list[str] = []
+    orch = make(engine, max_queue_wait_s=0.3)
+    orch.on_drop = drops.append
+
+    async def main():
+        holder = orch.submit(job(max_tokens=400))  # ~1 s in the only slot
+        first = await holder.events().__anext__()
+        late = orch.submit(job(max_tokens=3), deadline=time.monotonic() + 0.1)
+        patient = orch.submit(job(max_tokens=3))  # no deadline: max_queue_wait ends it
+        dropped = [await s.events().__anext__() for s in (late, patient)]
+        depth = orch.queued
+        rest = [e async for e in holder.events()]
+        after = await collect(orch, job(max_tokens=3))  # a free slot: served at once
+        return first, dropped, depth, rest, after
+
+    try:
+        first, dropped, depth, rest, after = asyncio.run(main())
+    finally:
+        orch.close()
+    assert isinstance(first, SampleEvent)
+    assert [(type(e), e.code) for e in dropped] == [
+        (ErrorEvent, "DEADLINE_EXCEEDED"),
+        (ErrorEvent, "RESOURCE_EXHAUSTED"),
+    ]
+    assert "max_queue_wait = 0.3 s" in dropped[1].message
+    assert drops == ["DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"]
+    assert depth == 0  # both left the queue
+    assert rest[-1].finish is Finish.LENGTH and samples(after)[0][-1].finish is Finish.LENGTH
+    assert len(engine.inserts) == 2  # the holder and the last request only
+
+
+def test_max_queue_wait_never_turns_away_a_request_that_finds_a_free_slot():
+    """Slots free, but the engine busy in a call longer than max_queue_wait: the newcomer is admitted after it."""
+    engine = FakeEngine(VOCAB, EOS, slots=4, delay_s=0.3)
+    orch = make(engine, max_queue_wait_s=0.1)
+
+    async def main():
+        running = orch.submit(job(max_tokens=40))
+        await running.events().__anext__()
+        await asyncio.sleep(0.05)  # inside a 0.3 s generate call
+        return await collect(orch, job(max_tokens=3))
+
+    try:
+        events = asyncio.run(main())
+    finally:
+        orch.close()
+    assert not any(isinstance(e, ErrorEvent) for e in events), events
+    assert samples(events)[0][-1].finish is Finish.LENGTH
+
+
+def test_max_queue_wait_must_be_positive():
+    with pytest.raises(ValueError, match="max_queue_wait"):
+        Orchestrator(FakeEngine(VOCAB, EOS), TABLE, frozenset({EOS}), max_queue_wait_s=0)
 
 
 def test_engine_errors_fail_requests_and_serving_continues():

@@ -101,8 +101,11 @@ def hold_the_only_slot(server: ServerThread, engine) -> grpc.Future:
 
 
 def test_queued_request_past_its_deadline_never_takes_a_slot(tokenizer):
+    """End to end over gRPC: whichever notices first — grpc.aio cancelling the call at its deadline, or the engine
+    thread's own deadline check (test_orchestrator.py) — the request gets no slot, and it is logged and counted
+    as DEADLINE_EXCEEDED, not as a client cancel."""
     engine = make_engine(tokenizer, slots=1, max_seq_len=4096, delay_s=0.01)
-    server = ServerThread(engine, tokenizer)
+    server = ServerThread(engine, tokenizer, metrics_port=0)
     try:
         holder = hold_the_only_slot(server, engine)
         with pytest.raises(grpc.RpcError) as info:
@@ -112,6 +115,8 @@ def test_queued_request_past_its_deadline_never_takes_a_slot(tokenizer):
         after = generate(server.stub, text="next", stopping=pb.StoppingCriteria(max_tokens=4))
         assert after[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert len(engine.inserts) == 2, "the expired request took a slot"  # the holder and "next" only
+        requests = server.server.metrics.requests
+        wait_until(lambda: requests.labels("DEADLINE_EXCEEDED")._value.get() == 1)
     finally:
         server.close()
 
