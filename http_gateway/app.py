@@ -107,7 +107,8 @@ def create_app(
     """The OpenAI-compatible gateway in front of gRPC `backends` ("host:port"). With `api_key`, /v1/* needs
     `Authorization: Bearer <api_key>`; /health, /metrics and /openapi.json stay open. `limits`: body size,
     concurrency, n. `cors_allow_origins`: browser origins allowed to call the API (CORS is off without them;
-    "*" allows any). `backend_tls`: reach the backends over TLS."""
+    "*" allows any). `backend_tls`: reach the backends over TLS. `pool`: a ready-made pool (tests), which brings
+    its own TLS and timeout settings (`backend_tls` and `limits.request_timeout_s` are then not used)."""
     limits = limits or Limits()
     pool = pool or BackendPool(backends, tls=backend_tls, request_timeout_s=limits.request_timeout_s)
     metrics = GatewayMetrics()

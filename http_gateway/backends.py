@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import logging
 import pathlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -147,8 +148,10 @@ class BackendPool:
         """Start `Generate` and wait for its first message, so that errors before any output (bad argument,
         overload, backend down) become the HTTP status. UNAVAILABLE fails over to the model's next backend."""
         last: grpc.aio.AioRpcError | None = None
+        deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         for backend in await self.resolve(model):
-            call = backend.stub.Generate(request, timeout=self.request_timeout_s)
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())  # one budget in all
+            call = backend.stub.Generate(request, timeout=timeout)
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as e:

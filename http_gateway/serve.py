@@ -114,6 +114,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         settings = merge(defaults, ns.config, "gateway", vars(ns), flat=True)
     except ValueError as e:
         parser.error(str(e))
+    if settings["request_timeout"] is not None and float(settings["request_timeout"]) <= 0:
+        parser.error("--request-timeout must be positive seconds (or unset)")
     for key in ("backend", "cors_allow_origins"):
         if isinstance(settings[key], str):
             settings[key] = [settings[key]]
@@ -155,7 +157,11 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    run(parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> None:
+    """Serve until SIGTERM/SIGINT with settings from `parse_args`."""
     jsonlog.setup(args.log_level, args.log_format)
     app = create_app(
         args.backend,

@@ -22,7 +22,7 @@ def load_section(path: str | pathlib.Path, name: str, flat: bool = False) -> dic
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of settings")  # noqa: TRY004 (bad file content)
     if name in data:
-        section = data[name]
+        section = data[name] if data[name] is not None else {}  # a section with every key commented out
     elif flat and not set(SECTIONS) & set(data):
         section = data
     else:

@@ -41,9 +41,10 @@ def load_config(path: str | pathlib.Path | None, overrides: dict[str, Any] | Non
         raw = yaml.safe_load(pathlib.Path(path).read_text()) or {}
         if isinstance(raw, dict):  # a file with `server:`/`gateway:` sections keeps the engine's under `engine:`
             raw = raw.get("engine", {} if {"server", "gateway"} & set(raw) else raw)
+            raw = {} if raw is None else raw  # `engine:` with every key commented out
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: expected a mapping of engine settings")
-        data.update(raw)
+        data.update({k: v for k, v in raw.items() if v is not None})  # null: the default, as for flags
     data.update({k: v for k, v in (overrides or {}).items() if v is not None})
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     unknown = sorted(set(data) - fields)

@@ -240,7 +240,7 @@ def test_request_timeout_is_the_backend_calls_deadline(scripted) -> None:
     """`request_timeout`: a generation that runs longer ends with 504 (non-streamed) or an error event (streamed),
     since the backend call's gRPC deadline passed (the backend then frees the slots: test_deadline_frees_the_slot
     in tests/grpc_service/test_server.py); the gateway keeps serving."""
-    server = GatewayServer([scripted.address], limits=Limits(request_timeout_s=0.5)).start()
+    server = GatewayServer([scripted.address], limits=Limits(request_timeout_s=2.0)).start()
     body = {"model": MODEL_ID, "prompt": "slow:loop:tick", "max_tokens": 2000}  # 10 ms a token: ~20 s
     try:
         with httpx.Client(base_url=server.url, timeout=30) as http:
@@ -248,7 +248,7 @@ def test_request_timeout_is_the_backend_calls_deadline(scripted) -> None:
             r = http.post(COMPLETIONS, json=body)
             assert r.status_code == 504, r.text
             assert r.json()["error"]["code"] == "timeout"
-            assert time.monotonic() - t0 < 5
+            assert time.monotonic() - t0 < 10
             r = http.post(COMPLETIONS, json={**body, "stream": True})
             assert r.status_code == 200  # the stream had started: its last event before [DONE] is the error
             events = [e for e in sse_events(r.text) if e != "[DONE]"]
@@ -266,6 +266,23 @@ def test_parse_args_reads_repeated_backends_and_the_key_from_the_environment(mon
     assert parse_args(["--backend", "a:1", "--api-key", "flag"]).api_key == "flag"
     monkeypatch.delenv("TPUSERVE_API_KEY")
     assert parse_args(["--backend", "a:1"]).api_key is None
+
+
+def test_parse_args_config_sections(tmp_path) -> None:
+    """The gateway reads its `gateway:` section (an empty one is all defaults), a flat file of gateway keys, and
+    nothing from a file whose sections are all another process's; unknown keys and bad values are errors."""
+    path = tmp_path / "c.yaml"
+    path.write_text("engine:\n  slots: 4\ngateway:\n")
+    assert parse_args(["--config", str(path), "--backend", "a:1"]).max_n == 16
+    path.write_text("max_n: 5\nbackend: [b:2]\n")
+    args = parse_args(["--config", str(path)])
+    assert args.max_n == 5 and args.backend == ["b:2"]
+    path.write_text("server:\n  port: 1\n")
+    assert parse_args(["--config", str(path), "--backend", "a:1"]).port == 8000
+    for bad in ("gateway:\n  max_m: 5\n", "gateway: [1]\n"):
+        path.write_text(bad)
+        with pytest.raises(SystemExit):
+            parse_args(["--config", str(path), "--backend", "a:1"])
 
 
 def test_gateway_entry_point_serves(scripted) -> None:
