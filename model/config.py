@@ -44,6 +44,7 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None  # Mistral: a query sees only the last `sliding_window` positions
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -100,6 +101,9 @@ def config_from_hf(path: str | pathlib.Path) -> ModelConfig:
         )
     elif rope_type not in ("default", None):
         raise ModelLoadError(f"{file}: unsupported rope_type {rope_type!r} (supported: default, llama3)")
+    window = raw.get("sliding_window") if arch == "mistral" else None
+    if arch == "qwen2" and raw.get("use_sliding_window"):
+        raise ModelLoadError(f"{file}: Qwen2's per-layer sliding window (use_sliding_window) is not supported")
     heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
     try:
@@ -120,6 +124,7 @@ def config_from_hf(path: str | pathlib.Path) -> ModelConfig:
             attention_bias=bool(raw.get("attention_bias", arch == "qwen2")),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_as_ids(raw.get("eos_token_id")),
+            sliding_window=int(window) if window else None,
         )
     except KeyError as e:
         raise ModelLoadError(f"{file}: missing required field {e.args[0]!r}") from None
@@ -169,6 +174,7 @@ def config_from_gguf_fields(fields: dict[str, Any], file: str, has_output_weight
         attention_bias=has_qkv_bias,
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_as_ids(eos),
+        sliding_window=int(fields.get(f"{arch}.attention.sliding_window") or 0) or None,
     )
 
 

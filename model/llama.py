@@ -123,6 +123,8 @@ class Llama(nnx.Module):
         rows = jnp.arange(B)[:, None]
         key_pos = jnp.arange(attend_len)
         mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, A]
+        if cfg.sliding_window:  # and no further back than the window (the cache still holds every position)
+            mask &= key_pos[None, None, :] > positions[:, :, None] - cfg.sliding_window
         layer_params = {n: getattr(self, n).value for n in LAYER_PARAMS if hasattr(self, n)}
 
         def block(carry, p):

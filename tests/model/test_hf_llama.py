@@ -3,6 +3,8 @@ after a round trip through Orbax."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -25,6 +27,8 @@ VARIANTS = {
     "llama-untied-llama3rope": (transformers.LlamaConfig, dict(tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE)),
     "qwen2-bias": (transformers.Qwen2Config, dict(tie_word_embeddings=False)),
     "mistral": (transformers.MistralConfig, dict(tie_word_embeddings=False, sliding_window=None)),
+    # a window shorter than the 40-token test sequence: later queries must not see the first keys
+    "mistral-window8": (transformers.MistralConfig, dict(tie_word_embeddings=False, sliding_window=8)),
 }
 
 
@@ -65,6 +69,11 @@ def test_logits_match_transformers_from_safetensors_and_orbax(hf_model_dir, tmp_
     if name == "qwen2-bias":
         assert (path / "model.safetensors.index.json").exists() and loaded.config.attention_bias
     assert np.abs(our_logits(loaded, ids) - ref).max() < 1e-4
+    if name == "mistral-window8":
+        assert loaded.config.sliding_window == 8
+        # the window changes the result (the test would not notice a model that ignores it)
+        unwindowed = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, sliding_window=None))
+        assert np.abs(our_logits(unwindowed, ids) - ref).max() > 1e-2
 
     convert(path, tmp_path / "ckpt", with_tokenizer=False)
     assert checkpoint.is_checkpoint(tmp_path / "ckpt")
