@@ -183,34 +183,15 @@ async def serve(
     host: str = "0.0.0.0",
     port: int = 50051,
     *,
-    max_queue: int = 256,
-    max_n: int | None = None,
-    max_prompt_tokens: int | None = None,
-    max_queue_wait_s: float | None = None,
-    warmup: Callable[[], None] | None = None,
     drain_timeout_s: float = 30.0,
-    metrics_port: int | None = None,
-    log_prompts: bool = False,
-    tls: ServerTLS | None = None,
+    **options: Any,
 ) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code (0 after a graceful stop, 1 if warm-up failed).
 
-    `warmup` (e.g. the engine's compile-everything step) runs on the engine thread while health is NOT_SERVING."""
-    running = await start_server(
-        engine,
-        tokenizer,
-        model_id,
-        host,
-        port,
-        max_queue=max_queue,
-        max_n=max_n,
-        max_prompt_tokens=max_prompt_tokens,
-        max_queue_wait_s=max_queue_wait_s,
-        warmup=warmup,
-        metrics_port=metrics_port,
-        log_prompts=log_prompts,
-        tls=tls,
-    )
+    `options` are start_server's (limits, `warmup`, metrics port, TLS, ...). `warmup` (e.g. the engine's
+    compile-everything step) runs on the engine thread while health is NOT_SERVING."""
+    running = await start_server(engine, tokenizer, model_id, host, port, **options)
+    tls = options.get("tls")
     if running.metrics_port is not None:
         log.info("metrics on http://%s:%d/metrics", host, running.metrics_port)
     stop = asyncio.Event()
