@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 import yaml
+from tpuserve.proto import settings
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
@@ -122,8 +123,8 @@ def _die_with_parent() -> None:
 def backend_config(base: pathlib.Path, out: pathlib.Path, overrides: dict, min_queue: int) -> dict:
     """Write `base` to `out` with its engine settings updated by `overrides` (None: keep) and max_queue raised
     to min_queue; other sections of the file stay as they are. Returns the engine settings."""
-    raw = yaml.safe_load(base.read_text()) or {}
-    sectioned = bool({"engine", "server", "gateway"} & set(raw))  # else the file is the engine mapping itself
+    raw = settings.read(base)
+    sectioned = settings.is_sectioned(raw)  # else the file is the engine mapping itself
     engine = dict((raw.get("engine") or {}) if sectioned else raw)
     engine.update({k: v for k, v in overrides.items() if v is not None})
     engine["max_queue"] = max(int(engine.get("max_queue", 256)), min_queue)

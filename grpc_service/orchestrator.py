@@ -105,9 +105,8 @@ class Orchestrator:
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()
         self.on_generate: Callable[[float], None] | None = None  # seconds per generate call (metrics)
-        self.on_drop: Callable[[str], None] | None = (
-            None  # a queued request dropped, by status name (metrics)
-        )
+        # a queued request dropped before a slot, by gRPC status name (metrics)
+        self.on_drop: Callable[[str], None] | None = None
 
     # ---- called from the event loop -------------------------------------------------------------------
 

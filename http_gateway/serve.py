@@ -123,11 +123,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("at least one --backend (or `backend:` in --config) is required")
     if (settings["tls_cert_file"] is None) != (settings["tls_key_file"] is None):
         parser.error("HTTPS needs both --tls-cert-file and --tls-key-file")
-    if (settings["backend_tls_cert_file"] is None) != (settings["backend_tls_key_file"] is None):
-        parser.error(
-            "a backend client certificate needs both --backend-tls-cert-file and --backend-tls-key-file"
-        )
-    return argparse.Namespace(**settings)
+    args = argparse.Namespace(**settings)
+    try:
+        backend_tls_of(args)  # BackendTLS checks its certificate/key pair
+    except ValueError as e:
+        parser.error(f"--backend-tls-*: {e}")
+    return args
 
 
 def backend_tls_of(args: argparse.Namespace) -> BackendTLS | None:

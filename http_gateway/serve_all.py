@@ -14,12 +14,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import pathlib
 import signal
 import subprocess
 import sys
-
-import yaml
 
 log = logging.getLogger("tpuserve.serve")
 
@@ -87,15 +84,15 @@ def plan(argv: list[str] | None = None) -> tuple[list[str], argparse.Namespace]:
     server: dict = {}
     gateway_config = None
     if args.config:
-        from tpuserve.proto.settings import SECTIONS, load_section
+        from tpuserve.proto.settings import is_sectioned, read, section
 
         try:
-            server = load_section(args.config, "server")
-            data = yaml.safe_load(pathlib.Path(args.config).read_text())
-        except (OSError, ValueError, yaml.YAMLError) as e:
+            data = read(args.config)
+            server = section(data, "server", path=args.config)
+        except (OSError, ValueError) as e:
             p.error(str(e))
         # a flat file (no sections) is the engine's, as for `tpuserve grpc`; the gateway reads only a gateway:
-        if isinstance(data, dict) and set(SECTIONS) & set(data):
+        if is_sectioned(data):
             gateway_config = args.config
     grpc_host = args.grpc_host or server.get("host") or "127.0.0.1"
     grpc_port = args.grpc_port if args.grpc_port is not None else int(server.get("port") or 50051)

@@ -16,20 +16,40 @@ import yaml
 SECTIONS = ("engine", "server", "gateway")
 
 
-def load_section(path: str | pathlib.Path, name: str, flat: bool = False) -> dict[str, Any]:
-    """The `name:` mapping of the YAML file (empty if absent); with `flat`, a file with no section is it."""
-    data = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+def read(path: str | pathlib.Path) -> dict[str, Any]:
+    """The YAML file's top-level mapping (empty for an empty file); ValueError if it is not one."""
+    try:
+        data = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({e})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of settings")  # noqa: TRY004 (bad file content)
+    return data
+
+
+def is_sectioned(data: Mapping[str, Any]) -> bool:
+    """Whether a file's mapping holds per-process sections (else it is one process's flat settings)."""
+    return bool(set(SECTIONS) & set(data))
+
+
+def section(
+    data: Mapping[str, Any], name: str, flat: bool = False, path: object = "config"
+) -> dict[str, Any]:
+    """The `name:` mapping of a file's `data` (empty if absent); with `flat`, a file with no section is it."""
     if name in data:
-        section = data[name] if data[name] is not None else {}  # a section with every key commented out
-    elif flat and not set(SECTIONS) & set(data):
-        section = data
+        found = data[name] if data[name] is not None else {}  # a section with every key commented out
+    elif flat and not is_sectioned(data):
+        found = data
     else:
-        section = {}
-    if not isinstance(section, dict):
+        found = {}
+    if not isinstance(found, dict):
         raise ValueError(f"{path}: `{name}:` must be a mapping of settings")  # noqa: TRY004
-    return section
+    return dict(found)
+
+
+def load_section(path: str | pathlib.Path, name: str, flat: bool = False) -> dict[str, Any]:
+    """The `name:` mapping of the YAML file at `path` (see `section`)."""
+    return section(read(path), name, flat, path)
 
 
 def merge(
