@@ -72,6 +72,24 @@ def _as_ids(v: Any) -> tuple[int, ...]:
     return tuple(v) if isinstance(v, (list, tuple)) else (int(v),)
 
 
+def _hf_rope(raw: dict[str, Any], file: pathlib.Path) -> tuple[float, RopeScaling | None]:
+    """RoPE theta and scaling from a config.json. transformers >= 5 writes `rope_parameters`; older versions
+    `rope_theta` + `rope_scaling`."""
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "llama3":
+        return theta, RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    if rope_type not in ("default", None):
+        raise ModelLoadError(f"{file}: unsupported rope_type {rope_type!r} (supported: default, llama3)")
+    return theta, None
+
+
 def config_from_hf(path: str | pathlib.Path) -> ModelConfig:
     """From a Hugging Face model directory (or its config.json)."""
     path = pathlib.Path(path)
@@ -87,20 +105,7 @@ def config_from_hf(path: str | pathlib.Path) -> ModelConfig:
         raise ModelLoadError(
             f"{file}: unsupported architecture model_type={arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    # transformers >= 5 writes `rope_parameters`; older versions `rope_theta` + `rope_scaling`.
-    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    scaling = None
-    if rope_type == "llama3":
-        scaling = RopeScaling(
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        )
-    elif rope_type not in ("default", None):
-        raise ModelLoadError(f"{file}: unsupported rope_type {rope_type!r} (supported: default, llama3)")
+    theta, scaling = _hf_rope(raw, file)
     window = raw.get("sliding_window") if arch == "mistral" else None
     if arch == "qwen2" and raw.get("use_sliding_window"):
         raise ModelLoadError(f"{file}: Qwen2's per-layer sliding window (use_sliding_window) is not supported")
