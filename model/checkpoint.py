@@ -18,7 +18,7 @@ from tpuserve.model.config import ModelConfig, ModelLoadError
 from tpuserve.model.llama import param_shapes
 
 MANIFEST = "tpuserve_model.json"
-FORMAT = 1
+FORMAT = 2  # 2: matrices [out, in] (format 1 kept them [in, out]); convert again
 
 
 def is_checkpoint(path: pathlib.Path) -> bool:

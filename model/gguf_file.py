@@ -28,7 +28,6 @@ _LAYER_MAP = {
     "ffn_down.weight": "w_down",
 }
 _TOP_MAP = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
-_TRANSPOSED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"}
 _SKIPPED = {"rope_freqs.weight"}  # llama3 frequencies: recomputed from the metadata
 
 
@@ -93,10 +92,10 @@ def load_gguf_weights(
                 arr = unpermute_qk(arr, cfg.num_heads)
             elif permute and ours in ("wk", "bk"):
                 arr = unpermute_qk(arr, cfg.num_kv_heads)
-            stacker.add_layer(int(idx), ours, arr.T if ours in _TRANSPOSED else arr)
+            stacker.add_layer(int(idx), ours, arr)  # [out, in], as llama.Llama keeps it
         elif name in _TOP_MAP:
             ours = _TOP_MAP[name]
-            stacker.add_top(ours, arr.T if ours in _TRANSPOSED else arr)
+            stacker.add_top(ours, arr)
         else:
             raise ModelLoadError(f"{path}: unexpected tensor {name}")
     return stacker.finish(str(path))

@@ -1,11 +1,17 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) as a Flax NNX module.
 
 Weights of the decoder blocks are stacked along a leading layer axis and the blocks run under `lax.scan`, so a
-30-layer model compiles one block. Parameter names and layouts (`x @ w`, w: [in, out]):
+30-layer model compiles one block. Parameter names and layouts: matrices are [out, in], as PyTorch, GGUF and
+safetensors store them (`linear(x, w)` = x @ w.T):
 
-  embed [V, H]; final_norm [H]; lm_head [H, V] (absent when tied to embed)
-  stacked over layers L: attn_norm [L, H]; wq [L, H, Hq*D]; wk, wv [L, H, Hkv*D]; bq [L, Hq*D]; bk, bv [L, Hkv*D]
-  (biases only with attention_bias); wo [L, Hq*D, H]; mlp_norm [L, H]; w_gate, w_up [L, H, I]; w_down [L, I, H]
+  embed [V, H]; final_norm [H]; lm_head [V, H] (absent when tied to embed)
+  stacked over layers L: attn_norm [L, H]; wq [L, Hq*D, H]; wk, wv [L, Hkv*D, H]; bq [L, Hq*D]; bk, bv [L, Hkv*D]
+  (biases only with attention_bias); wo [L, H, Hq*D]; mlp_norm [L, H]; w_gate, w_up [L, I, H]; w_down [L, H, I]
+
+Why [out, in]: XLA:CPU's dot kernel computes a row of `x @ w.T` with the same arithmetic whatever the number of
+rows (2 or more; measured, and tested in tests/sampler/test_batch_invariance.py), while `x @ w` with w: [in, out]
+rounds a row differently for another row count. So decode can run on the smallest batch bucket that covers the
+live slots and a request's logprobs stay bit-identical alone or beside 63 others.
 
 KV cache: `KVCache(k, v)`, each [L, B, S, Hkv, D]: layer, batch slot, position, kv head, head dim. A token at
 position p of slot b is written at [:, b, p]. Attention reads only the first `attend_len` positions (a static
@@ -29,19 +35,19 @@ LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "mlp_norm
 PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "embed": ("vocab", "embed"),
     "final_norm": ("embed",),
-    "lm_head": ("embed", "vocab"),
+    "lm_head": ("vocab", "embed"),
     "attn_norm": ("layers", "embed"),
-    "wq": ("layers", "embed", "heads"),
-    "wk": ("layers", "embed", "kv_heads"),
-    "wv": ("layers", "embed", "kv_heads"),
+    "wq": ("layers", "heads", "embed"),
+    "wk": ("layers", "kv_heads", "embed"),
+    "wv": ("layers", "kv_heads", "embed"),
     "bq": ("layers", "heads"),
     "bk": ("layers", "kv_heads"),
     "bv": ("layers", "kv_heads"),
-    "wo": ("layers", "heads", "embed"),
+    "wo": ("layers", "embed", "heads"),
     "mlp_norm": ("layers", "embed"),
-    "w_gate": ("layers", "embed", "mlp"),
-    "w_up": ("layers", "embed", "mlp"),
-    "w_down": ("layers", "mlp", "embed"),
+    "w_gate": ("layers", "mlp", "embed"),
+    "w_up": ("layers", "mlp", "embed"),
+    "w_down": ("layers", "embed", "mlp"),
 }
 CACHE_AXES = ("layers", "batch", "sequence", "kv_heads", None)
 
@@ -56,13 +62,13 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes = {
         "embed": (V, H), "final_norm": (H,),
-        "attn_norm": (L, H), "wq": (L, H, q), "wk": (L, H, kv), "wv": (L, H, kv), "wo": (L, q, H),
-        "mlp_norm": (L, H), "w_gate": (L, H, I), "w_up": (L, H, I), "w_down": (L, I, H),
+        "attn_norm": (L, H), "wq": (L, q, H), "wk": (L, kv, H), "wv": (L, kv, H), "wo": (L, H, q),
+        "mlp_norm": (L, H), "w_gate": (L, I, H), "w_up": (L, I, H), "w_down": (L, H, I),
     }  # fmt: skip
     if cfg.attention_bias:
         shapes.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
     if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (H, V)
+        shapes["lm_head"] = (V, H)
     return shapes
 
 
@@ -73,6 +79,11 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = jn
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> int:
     return 2 * cfg.num_layers * batch * max_len * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x: [..., in], w: [out, in] -> [..., out] (fp32 accumulation)."""
+    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -130,7 +141,7 @@ class Llama(nnx.Module):
         def block(carry, p):
             x, k_cache, v_cache, li = carry
             h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+            q, k, v = linear(h, p["wq"]), linear(h, p["wk"]), linear(h, p["wv"])
             if cfg.attention_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
             q = rope(q.reshape(B, T, Hq, D), positions, inv_freq)
@@ -138,17 +149,21 @@ class Llama(nnx.Module):
             v = v.reshape(B, T, Hkv, D)
             k_cache = k_cache.at[li, rows, positions].set(k.astype(k_cache.dtype), mode="drop")
             v_cache = v_cache.at[li, rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-            keys = k_cache[li][:B, :attend_len]  # [B, A, Hkv, D]: the first B rows (a batch bucket) of the cache
+            keys = k_cache[li][
+                :B, :attend_len
+            ]  # [B, A, Hkv, D]: the first B rows (a batch bucket) of the cache
             vals = v_cache[li][:B, :attend_len]
             qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
-            scores = jnp.einsum("btkgd,bakd->bkgta", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+            scores = jnp.einsum(
+                "btkgd,bakd->bkgta", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32
+            )
             scores = scores * (1.0 / np.sqrt(D))
             scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
             probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
             attn = jnp.einsum("bkgta,bakd->btkgd", probs, vals.astype(q.dtype)).reshape(B, T, Hq * D)
-            x = x + attn @ p["wo"]
+            x = x + linear(attn, p["wo"])
             h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-            x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+            x = x + linear(jax.nn.silu(linear(h, p["w_gate"])) * linear(h, p["w_up"]), p["w_down"])
             return (x, k_cache, v_cache, li + 1), None
 
         (x, k_cache, v_cache, _), _ = jax.lax.scan(block, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
@@ -157,19 +172,5 @@ class Llama(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden: [..., H] -> fp32 logits [..., V]."""
-        if self.cfg.tie_word_embeddings:
-            w = self.embed.value
-            return jnp.einsum("...h,vh->...v", hidden, w, preferred_element_type=jnp.float32)
-        return jnp.einsum("...h,hv->...v", hidden, self.lm_head.value, preferred_element_type=jnp.float32)
-
-
-def random_params(cfg: ModelConfig, seed: int = 0, dtype: jnp.dtype = jnp.float32) -> dict[str, jax.Array]:
-    """Random weights (tests, benchmarks): normal(0, 0.02) matrices, ones for norms."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in param_shapes(cfg).items():
-        if name.endswith("norm"):
-            out[name] = jnp.ones(shape, dtype)
-        else:
-            out[name] = jnp.asarray(rng.normal(0, 0.02, shape).astype(np.float32), dtype)
-    return out
+        w = self.embed.value if self.cfg.tie_word_embeddings else self.lm_head.value
+        return jnp.einsum("...h,vh->...v", hidden, w, preferred_element_type=jnp.float32)

@@ -12,25 +12,25 @@ from tpuserve.model.config import ModelConfig, ModelLoadError
 from tpuserve.model.weights_stack import LayerStacker
 from tqdm import tqdm
 
-# transformers name (after "model.layers.{i}.") -> (our name, transpose)
+# transformers name (after "model.layers.{i}.") -> our name; layouts are the same ([out, in] matrices)
 _LAYER_MAP = {
-    "input_layernorm.weight": ("attn_norm", False),
-    "self_attn.q_proj.weight": ("wq", True),
-    "self_attn.k_proj.weight": ("wk", True),
-    "self_attn.v_proj.weight": ("wv", True),
-    "self_attn.q_proj.bias": ("bq", False),
-    "self_attn.k_proj.bias": ("bk", False),
-    "self_attn.v_proj.bias": ("bv", False),
-    "self_attn.o_proj.weight": ("wo", True),
-    "post_attention_layernorm.weight": ("mlp_norm", False),
-    "mlp.gate_proj.weight": ("w_gate", True),
-    "mlp.up_proj.weight": ("w_up", True),
-    "mlp.down_proj.weight": ("w_down", True),
+    "input_layernorm.weight": "attn_norm",
+    "self_attn.q_proj.weight": "wq",
+    "self_attn.k_proj.weight": "wk",
+    "self_attn.v_proj.weight": "wv",
+    "self_attn.q_proj.bias": "bq",
+    "self_attn.k_proj.bias": "bk",
+    "self_attn.v_proj.bias": "bv",
+    "self_attn.o_proj.weight": "wo",
+    "post_attention_layernorm.weight": "mlp_norm",
+    "mlp.gate_proj.weight": "w_gate",
+    "mlp.up_proj.weight": "w_up",
+    "mlp.down_proj.weight": "w_down",
 }
 _TOP_MAP = {
-    "model.embed_tokens.weight": ("embed", False),
-    "model.norm.weight": ("final_norm", False),
-    "lm_head.weight": ("lm_head", True),
+    "model.embed_tokens.weight": "embed",
+    "model.norm.weight": "final_norm",
+    "lm_head.weight": "lm_head",
 }
 
 
@@ -79,10 +79,8 @@ def _add(stacker: LayerStacker, key: str, tensor: np.ndarray, file: pathlib.Path
             if rest.endswith("rotary_emb.inv_freq"):
                 return
             raise ModelLoadError(f"{file}: unexpected tensor {key}")
-        name, transpose = _LAYER_MAP[rest]
-        stacker.add_layer(int(idx), name, tensor.T if transpose else tensor)
+        stacker.add_layer(int(idx), _LAYER_MAP[rest], tensor)
     elif key in _TOP_MAP:
-        name, transpose = _TOP_MAP[key]
-        stacker.add_top(name, tensor.T if transpose else tensor)
+        stacker.add_top(_TOP_MAP[key], tensor)
     else:
         raise ModelLoadError(f"{file}: unexpected tensor {key}")

@@ -4,12 +4,35 @@ with hand-computable outputs can stand in for the real one in service tests (Jet
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
 MAX_TOP_LOGPROBS = 20  # K: the server-wide logprob width computed on the device
+
+T = TypeVar("T")
+
+
+class Pending(Generic[T]):
+    """A result the device may still be computing (JAX dispatch is asynchronous): `result()` waits for it and
+    copies it to the host, once. The engine thread dispatches the next call before it reads this one."""
+
+    def __init__(self, wait: Callable[[], T]) -> None:
+        self._wait: Callable[[], T] | None = wait
+        self._value: T | None = None
+
+    @classmethod
+    def ready(cls, value: T) -> Pending[T]:
+        done = cls(lambda: value)
+        done.result()
+        return done
+
+    def result(self) -> T:
+        if self._wait is not None:
+            self._value, self._wait = self._wait(), None
+        return self._value  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -74,7 +97,11 @@ class PromptLogprobs:
 
 
 class Engine(abc.ABC):
-    """prefill -> insert (per sample) -> generate (N steps, all slots) -> release."""
+    """prefill -> insert (per sample) -> generate (N steps, all slots) -> release.
+
+    One thread drives an engine. `start_insert` / `start_generate` dispatch without waiting, so that thread can
+    queue the next device call before it reads this one back; an engine without asynchronous dispatch (the fake
+    engine of the service tests) inherits versions that compute at once."""
 
     slots: int
     max_seq_len: int
@@ -101,3 +128,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def release(self, slot: int) -> None:
         """Free a slot (finished or cancelled); it takes no part in the next generate call."""
+
+    def start_insert(self, prefix: Any, slot: int, params: SlotParams) -> Pending[TokenOut]:
+        return Pending.ready(self.insert(prefix, slot, params))
+
+    def start_generate(self) -> Pending[StepArrays]:
+        """Dispatch the next N decode steps. Outputs of a slot released meanwhile are to be ignored."""
+        return Pending.ready(self.generate())

@@ -1,9 +1,17 @@
-"""JaxEngine: the real engine behind `sampler.api.Engine` — continuous batching over B slots with static shapes."""
+"""JaxEngine: the real engine behind `sampler.api.Engine` — continuous batching over B slots with static shapes.
+
+Decode runs on the smallest batch bucket (power of two, at least 2 rows) that covers the occupied slots, and
+attends over the smallest length bucket that covers the longest sequence, so its cost follows the live load. A
+request's tokens and logprobs do not depend on the bucket (see model/llama.py on the [out, in] weight layout).
+Calls are dispatched without waiting (`start_generate`, `start_insert`): host copies of their small outputs
+start at once and are read when the caller asks, so host work overlaps the next device call.
+
+Driven by one thread (the orchestrator's engine thread, which also runs `warm_up`); nothing here is shared.
+"""
 
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 
 import jax
@@ -14,11 +22,21 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tpuserve.model.llama import cache_bytes
 from tpuserve.model.loader import LoadedModel
 from tpuserve.model.sharding import cache_sharding
-from tpuserve.sampler.api import MAX_TOP_LOGPROBS, Engine, PromptLogprobs, SlotParams, StepArrays, TokenOut
+from tpuserve.sampler.api import (
+    MAX_TOP_LOGPROBS,
+    Engine,
+    Pending,
+    PromptLogprobs,
+    SlotParams,
+    StepArrays,
+    TokenOut,
+)
 from tpuserve.sampler.programs import ProgramConfig, build_programs
-from tpuserve.sampler.state import MAX_STOP_IDS, init_decode_state
+from tpuserve.sampler.state import init_decode_state, slot_sampling
 
 log = logging.getLogger(__name__)
+
+MIN_BATCH_BUCKET = 2  # one row takes another kernel (a matrix-vector product) that rounds differently
 
 
 def power_of_two_buckets(smallest: int, largest: int) -> list[int]:
@@ -38,10 +56,15 @@ def bucket_for(n: int, buckets: list[int]) -> int:
 
 @dataclass
 class Prefix:
-    cache: object           # KVCache [L, 1, Lp, Hkv, D] on the device
+    cache: object  # KVCache [L, 1, Lp, Hkv, D] on the device
     last_logits: jax.Array  # [V]
     prompt_len: int
-    prompt: tuple | None    # device arrays (logprobs [Lp-1], top_ids [Lp-1, K], top_logprobs [Lp-1, K])
+    prompt: tuple | None  # device arrays (logprobs [Lp-1], top_ids [Lp-1, K], top_logprobs [Lp-1, K])
+
+
+def _host_copy(tree) -> None:
+    for leaf in jax.tree.leaves(tree):
+        leaf.copy_to_host_async()
 
 
 class JaxEngine(Engine):
@@ -54,7 +77,7 @@ class JaxEngine(Engine):
         min_prefill_bucket: int = 32,
         prefill_chunk: int = 512,
         min_attend_bucket: int = 128,
-        min_batch_bucket: int | None = None,
+        min_batch_bucket: int | None = 8,
         processed_logprobs: bool = False,
         cache_dtype: str | None = None,
         mesh=None,
@@ -68,31 +91,34 @@ class JaxEngine(Engine):
         self.processed_logprobs = processed_logprobs
         self.prefill_buckets = power_of_two_buckets(min(min_prefill_bucket, max_seq_len), max_seq_len)
         self.attend_buckets = power_of_two_buckets(min(min_attend_bucket, max_seq_len), max_seq_len)
-        # Decode on fewer rows when only low slots are live. Off by default: XLA's matmul sums in a different order
-        # for a different row count, so bucketing trades bit-exact batch invariance for single-stream latency.
-        self.batch_buckets = power_of_two_buckets(min(min_batch_bucket or slots, slots), slots)
+        # None: always all slots. Buckets never go below 2 rows (a 1-row product rounds differently).
+        smallest = max(min_batch_bucket or slots, MIN_BATCH_BUCKET)
+        self.batch_buckets = power_of_two_buckets(min(smallest, slots), slots)
         module = loaded.module()
         self.graphdef, self.params = nnx.split(module)  # split once; programs merge inside jit
         dtype = jnp.dtype(cache_dtype) if cache_dtype else module.embed.value.dtype
         self.cache_dtype = dtype
         self.kv_cache_bytes = cache_bytes(loaded.config, slots, max_seq_len, dtype)
-        state = init_decode_state(loaded.config, slots, max_seq_len, dtype)
-        if mesh is not None:  # cache by the sharding rules, the small per-slot arrays replicated
-            replicated = NamedSharding(mesh, PartitionSpec())
-            kv = cache_sharding(loaded.config, mesh, slots, max_seq_len)
-            shardings = jax.tree.map(lambda _: replicated, state)
-            shardings = shardings.replace(cache=type(state.cache)(kv, kv))
-            state = jax.device_put(state, shardings)
-        self.state = state
         self.mesh = mesh
+        self.state = self._place(init_decode_state(loaded.config, slots, max_seq_len, dtype))
         cfg = ProgramConfig(K=MAX_TOP_LOGPROBS, steps=steps_per_call, chunk=prefill_chunk,
-                            processed_logprobs=processed_logprobs)  # fmt: skip
-        self._prefill, self._insert, self._decode, self._release = build_programs(self.graphdef, cfg, max_seq_len)
-        self._lengths = np.zeros(slots, np.int64)  # host mirror of the device lengths
-        self._active = np.zeros(slots, bool)
-        self._lock = threading.Lock()  # the engine is driven by one thread; the lock guards misuse
+                            max_seq_len=max_seq_len, processed_logprobs=processed_logprobs)  # fmt: skip
+        self.programs = build_programs(self.graphdef, cfg)
+        # Host bookkeeping, never read back from the device: which slots hold a sample, and an upper bound of
+        # each one's length (what the dispatched calls can have written), for the batch and attention buckets.
+        self._occupied = np.zeros(slots, bool)
+        self._length_bound = np.zeros(slots, np.int64)
         log.info("KV cache: %d slots x %d positions, %s, %.1f MiB", slots, max_seq_len, dtype.name,
                  self.kv_cache_bytes / 2**20)  # fmt: skip
+
+    def _place(self, state):
+        if self.mesh is None:
+            return state
+        replicated = NamedSharding(self.mesh, PartitionSpec())  # the small per-slot arrays
+        kv = cache_sharding(self.config, self.mesh, self.slots, self.max_seq_len)
+        shardings = jax.tree.map(lambda _: replicated, state)
+        shardings = shardings.replace(cache=type(state.cache)(kv, kv))
+        return jax.device_put(state, shardings)
 
     # -- Engine API ---------------------------------------------------------------------------------------------
     def prefill(self, tokens: list[int], want_prompt_logprobs: bool = False) -> Prefix:
@@ -102,10 +128,11 @@ class JaxEngine(Engine):
         bucket = bucket_for(n, self.prefill_buckets)
         padded = np.zeros(bucket, np.int32)
         padded[:n] = tokens
-        with self._lock:
-            cache, last_logits, prompt = self._prefill(
-                self.params, jnp.asarray(padded), jnp.int32(n), bucket=bucket, want_prompt_logprobs=want_prompt_logprobs
-            )
+        cache, last_logits, prompt = self.programs.prefill(
+            self.params, padded, np.int32(n), bucket=bucket, want_prompt_logprobs=want_prompt_logprobs
+        )
+        if prompt is not None:
+            _host_copy(prompt)
         return Prefix(cache, last_logits, n, prompt)
 
     def prompt_logprobs(self, prefix: Prefix) -> PromptLogprobs | None:
@@ -115,40 +142,50 @@ class JaxEngine(Engine):
         n = prefix.prompt_len - 1
         return PromptLogprobs(chosen[:n], top_ids[:n], top_vals[:n])
 
+    def start_insert(self, prefix: Prefix, slot: int, params: SlotParams) -> Pending[TokenOut]:
+        one = slot_sampling(params)  # ValueError for a bad seed or too many stop ids, before anything runs
+        self.state, (out, done) = self.programs.insert(
+            self.state, prefix.cache, prefix.last_logits, np.int32(slot), np.int32(prefix.prompt_len), one
+        )
+        _host_copy((out, done))
+        self._occupied[slot] = True
+        self._length_bound[slot] = prefix.prompt_len
+
+        def read() -> TokenOut:
+            token_id, lp, top_ids, top_vals = (np.asarray(a) for a in out)
+            return TokenOut(int(token_id), float(lp), top_ids, top_vals, bool(done))
+
+        return Pending(read)
+
     def insert(self, prefix: Prefix, slot: int, params: SlotParams) -> TokenOut:
-        if len(params.stop_ids) > MAX_STOP_IDS:
-            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids per request")
-        stop = np.full(MAX_STOP_IDS, -1, np.int32)
-        stop[: len(params.stop_ids)] = params.stop_ids
-        slot_params = {
-            "temperature": jnp.float32(params.temperature),
-            "top_p": jnp.float32(params.top_p),
-            "top_k": jnp.int32(params.top_k),
-            "min_p": jnp.float32(params.min_p),
-            "keys": jax.random.key_data(jax.random.PRNGKey(params.seed % 2**63)).astype(jnp.uint32),
-            "max_tokens": jnp.int32(params.max_tokens),
-            "stop_ids": jnp.asarray(stop),
-        }
-        with self._lock:
-            self.state, out = self._insert(
-                self.state, prefix.cache, prefix.last_logits, jnp.int32(slot), jnp.int32(prefix.prompt_len), slot_params
+        return self.start_insert(prefix, slot, params).result()
+
+    def buckets(self) -> tuple[int, int]:
+        """(attend_len, batch) of the next decode call: they cover every occupied slot for N more steps."""
+        live = np.flatnonzero(self._occupied)
+        longest = int(self._length_bound[live].max()) if live.size else 0
+        attend = bucket_for(min(longest + self.steps_per_call, self.max_seq_len), self.attend_buckets)
+        batch = bucket_for(int(live.max()) + 1 if live.size else 1, self.batch_buckets)
+        return attend, batch
+
+    def start_generate(self) -> Pending[StepArrays]:
+        attend, batch = self.buckets()
+        self.state, (out, valid, done) = self.programs.decode(
+            self.params, self.state, attend_len=attend, batch=batch
+        )
+        _host_copy((out, valid, done))
+        self._length_bound[self._occupied] += self.steps_per_call
+
+        def read() -> StepArrays:
+            ids, lps, top_ids, top_vals = (self._pad(np.asarray(a)) for a in out)
+            return StepArrays(
+                ids, lps, top_ids, top_vals, self._pad(np.asarray(valid)), self._pad(np.asarray(done))
             )
-            token_id, lp, top_ids, top_vals, done = jax.device_get(out)
-            self._lengths[slot] = prefix.prompt_len
-            self._active[slot] = not bool(done)
-        return TokenOut(int(token_id), float(lp), np.asarray(top_ids), np.asarray(top_vals), bool(done))
+
+        return Pending(read)
 
     def generate(self) -> StepArrays:
-        with self._lock:
-            live = np.flatnonzero(self._active)
-            longest = int(self._lengths[live].max()) if live.size else 0
-            attend = bucket_for(min(longest + self.steps_per_call, self.max_seq_len), self.attend_buckets)
-            batch = bucket_for(int(live.max()) + 1 if live.size else 1, self.batch_buckets)
-            self.state, outs = self._decode(self.params, self.state, attend_len=attend, batch=batch)
-            ids, lps, top_ids, top_vals, valid, done = (self._pad(np.asarray(a)) for a in outs)
-            self._lengths += valid.sum(axis=0)
-            self._active &= ~done.any(axis=0)
-        return StepArrays(ids, lps, top_ids, top_vals, valid, done)
+        return self.start_generate().result()
 
     def _pad(self, a: np.ndarray) -> np.ndarray:
         """[N, batch, ...] -> [N, slots, ...]: slots past the batch bucket were not run (valid/done False)."""
@@ -158,10 +195,15 @@ class JaxEngine(Engine):
         out[:, : a.shape[1]] = a
         return out
 
+    @property
+    def occupied_slots(self) -> list[int]:
+        """Slots holding a sample (inserted, not yet released)."""
+        return np.flatnonzero(self._occupied).tolist()
+
     def release(self, slot: int) -> None:
-        with self._lock:
-            self.state = self._release(self.state, jnp.int32(slot))
-            self._active[slot] = False
+        self.state = self.programs.release(self.state, np.int32(slot))
+        self._occupied[slot] = False
+        self._length_bound[slot] = 0
 
     # -- start-up -----------------------------------------------------------------------------------------------
     def warm_up(self, prompt_logprobs: bool = True) -> None:
@@ -175,8 +217,9 @@ class JaxEngine(Engine):
             self.release(0)
         for attend in self.attend_buckets:
             for batch in self.batch_buckets:
-                with self._lock:
-                    self.state, outs = self._decode(self.params, self.state, attend_len=attend, batch=batch)
-                    jax.block_until_ready(outs)
-        self._lengths[:] = 0
-        self._active[:] = False
+                self.state, outs = self.programs.decode(
+                    self.params, self.state, attend_len=attend, batch=batch
+                )
+                jax.block_until_ready(outs)
+        self._occupied[:] = False
+        self._length_bound[:] = 0

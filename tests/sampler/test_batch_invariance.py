@@ -1,0 +1,78 @@
+"""Decode runs on the smallest batch bucket that covers the occupied slots, and a request's tokens and logprobs
+are bit-identical whatever the bucket: alone (8 rows), beside 7 others (16 rows: it sits in slot 12), beside 63
+others (64 rows). Real weights; greedy and seeded sampling. Also: every bit of a 64-bit seed counts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tpuserve.sampler.api import SlotParams
+
+from tests.helpers import run_engine as run
+from tests.sampler.test_engine import PROMPTS
+
+
+@pytest.fixture(scope="module")
+def calls(engine):
+    """The batch bucket of every decode call the shared engine makes while the test runs."""
+    seen: list[int] = []
+    original = engine.buckets
+
+    def spy():
+        attend, batch = original()
+        seen.append(batch)
+        return attend, batch
+
+    engine.buckets = spy
+    yield seen
+    del engine.buckets
+
+
+def _others(tok, slots):
+    return [(s, tok.encode(f"Request {s}: " + PROMPTS[s % 3]), SlotParams(max_tokens=24, temperature=0.8, seed=s))
+            for s in slots]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SlotParams(max_tokens=20, temperature=0.0), SlotParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=77)],
+    ids=["greedy", "seeded"],
+)
+def test_bit_identical_alone_beside_7_and_beside_63(engine, embedded, calls, params):
+    assert engine.batch_buckets == [8, 16, 32, 64]
+    tok = embedded.tokenizer
+    ids = tok.encode(PROMPTS[0])
+    calls.clear()
+    alone, _ = run(engine, [(0, ids, params)])
+    assert set(calls) == {8}, "a lone request in slot 0 decodes on the 8-row bucket"
+    calls.clear()
+    seven, _ = run(engine, _others(tok, range(7)) + [(12, ids, params)])
+    assert set(calls) == {16}, "slot 12 needs the 16-row bucket"
+    calls.clear()
+    crowded, _ = run(engine, _others(tok, range(1, 64)) + [(0, ids, params)])
+    assert 64 in calls
+    ref = alone[0]
+    for other in (seven[12], crowded[0]):
+        assert other[0] == ref[0]  # token ids
+        assert np.array_equal(np.array(other[1]), np.array(ref[1]))  # sampled-token logprobs, bit for bit
+        assert np.array_equal(np.stack(other[2]), np.stack(ref[2]))  # top-20 ids
+        assert np.array_equal(np.stack(other[3]), np.stack(ref[3]))  # top-20 logprobs
+
+
+def test_buckets_never_go_below_two_rows(embedded):
+    """One row takes XLA:CPU's matrix-vector kernel, which rounds differently: buckets start at 2."""
+    from tpuserve.sampler.engine import JaxEngine
+
+    eng = JaxEngine(embedded, slots=4, max_seq_len=64, min_batch_bucket=1)
+    assert eng.batch_buckets == [2, 4]
+
+
+def test_seeds_differ_in_their_high_bits(engine, embedded):
+    """Seeds s, s + 2**32 and s + 2**63 give three different streams; the same seed, the same stream."""
+    ids = embedded.tokenizer.encode(PROMPTS[2])
+    streams = []
+    for seed in (5, 5 + 2**32, 5 + 2**63, 5):
+        out, _ = run(engine, [(0, ids, SlotParams(max_tokens=16, temperature=1.5, seed=seed))])
+        streams.append(out[0][0])
+    assert streams[0] == streams[3]
+    assert len({tuple(s) for s in streams[:3]}) == 3
