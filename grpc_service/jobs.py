@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from tpuserve.sampler.api import PromptLogprobs, SlotParams, TokenOut
 
@@ -45,6 +46,15 @@ class PromptEvent:
     logprobs: PromptLogprobs | None
 
 
+class FirstTokenTiming(NamedTuple):
+    """time.monotonic() stamps of a sample's first token: request submitted, admitted (its prefill starts),
+    first token read back on the engine thread. The servicer adds the delivery time."""
+
+    submitted: float
+    admitted: float
+    ready: float
+
+
 @dataclass
 class SampleEvent:
     """New tokens and text of one sample; `finish` is set on the sample's last event."""
@@ -57,6 +67,16 @@ class SampleEvent:
     stop_token_id: int | None = None
     completion_tokens: int = 0  # tokens released so far (all of them on the last event)
     error: str = ""
+    timing: FirstTokenTiming | None = None  # on the event that carries the sample's first token
+
+    def extend(self, later: SampleEvent) -> None:
+        """Append a later event of the same sample: its tokens and text follow; its end, if any, is this one's."""
+        self.tokens = self.tokens + later.tokens
+        self.text += later.text
+        self.finish, self.stop_reason = later.finish, later.stop_reason
+        self.stop_token_id, self.error = later.stop_token_id, later.error
+        self.completion_tokens = later.completion_tokens
+        self.timing = self.timing or later.timing
 
 
 @dataclass
@@ -70,3 +90,21 @@ class ErrorEvent:
 
 
 Event = PromptEvent | SampleEvent | ErrorEvent
+
+
+def merge_events(events: list[Event]) -> list[Event]:
+    """One event per sample per delivery: a sample's consecutive events become one (its tokens in order), so
+    one decode call of N steps costs one gRPC message per sample, not N. Order between samples is kept."""
+    out: list[Event] = []
+    open_: dict[int, SampleEvent] = {}  # sample index -> its merged event in `out`
+    for event in events:
+        if isinstance(event, SampleEvent):
+            merged = open_.get(event.index)
+            if merged is not None and merged.finish is None:
+                merged.extend(event)
+                continue
+            open_[event.index] = event
+        else:
+            open_.clear()  # never merge across a prompt or error event
+        out.append(event)
+    return out

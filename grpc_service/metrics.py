@@ -1,4 +1,5 @@
-"""Backend Prometheus metrics, served on their own HTTP port (`tpuserve grpc --metrics-port N`).
+"""Backend Prometheus metrics, served on their own HTTP port (`tpuserve grpc --metrics-port N`; 0 = off) by
+prometheus_client's server thread.
 
 Each server has its own `CollectorRegistry` (several servers in one process do not collide). Gauges are read
 from the orchestrator and engine at scrape time; XLA compiles are counted by a `jax.monitoring` listener
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from tpuserve.grpc_service.jobs import FirstTokenTiming
 
 if TYPE_CHECKING:
     from tpuserve.grpc_service.orchestrator import Orchestrator
@@ -77,8 +79,8 @@ class _StateCollector:
         )
         yield GaugeMetricFamily(
             "tpuserve_backend_kv_cache_used_positions",
-            "KV-cache positions holding live tokens (approximate: read while the engine runs).",
-            value=_used_positions(engine),
+            "KV-cache positions holding live tokens (the engine thread's last published count).",
+            value=orch.stats.used_positions,
         )
         count, seconds = compiles()
         yield CounterMetricFamily(
@@ -87,16 +89,6 @@ class _StateCollector:
         yield CounterMetricFamily(
             "tpuserve_backend_xla_compile_seconds", "Time spent in XLA backend compiles.", value=seconds
         )
-
-
-def _used_positions(engine: object) -> float:
-    lengths, active = getattr(engine, "_lengths", None), getattr(engine, "_active", None)
-    if lengths is None:
-        return 0.0
-    try:
-        return float(lengths[active].sum()) if active is not None else float(lengths.sum())
-    except Exception:  # noqa: BLE001 - a scrape must never fail on a racing read
-        return 0.0
 
 
 class BackendMetrics:
@@ -127,6 +119,15 @@ class BackendMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
+        first = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+        self.ttft_parts = {
+            part: Histogram(f"tpuserve_backend_ttft_{part}_seconds", doc, buckets=first, registry=r)
+            for part, doc in (
+                ("queue_wait", "Time to first token, part 1: Generate received -> admitted to a slot."),
+                ("prefill", "Time to first token, part 2: admitted -> first token read back (prefill + insert)."),
+                ("delivery", "Time to first token, part 3: first token read back -> handed to gRPC."),
+            )
+        }  # fmt: skip
         self.dropped = Counter(
             "tpuserve_backend_queue_dropped",
             "Queued requests dropped before taking a slot, by gRPC status (DEADLINE_EXCEEDED: the client's "
@@ -137,8 +138,14 @@ class BackendMetrics:
         r.register(_StateCollector(orchestrator))
         self._http = None
 
+    def observe_first_token(self, timing: FirstTokenTiming, delivered: float) -> None:
+        """Split one request's time to first token (time.monotonic() stamps) into its three parts."""
+        self.ttft_parts["queue_wait"].observe(timing.admitted - timing.submitted)
+        self.ttft_parts["prefill"].observe(timing.ready - timing.admitted)
+        self.ttft_parts["delivery"].observe(delivered - timing.ready)
+
     def serve(self, host: str, port: int) -> int | None:
-        """Start the metrics HTTP server (port 0 = any free port); returns the bound port, None if it failed."""
+        """Start the metrics HTTP server thread on `host:port`; returns the port, None if it could not bind."""
         try:
             server, _thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as e:

@@ -1,9 +1,24 @@
-"""The engine thread: admission queue -> slots -> generate -> per-request event queues (JetStream's pattern).
+"""The engine thread: commands in -> admission -> slots -> decode calls -> per-request events out (JetStream's
+"queues all the way down").
 
-One thread owns the engine. Between `generate` calls it releases the slots of cancelled requests, admits
-queued requests into free slots (one prefill per request, one insert per sample), then runs `generate` and
-hands each slot's tokens to its sample. It never waits on the network: events reach the asyncio side through
-`loop.call_soon_threadsafe` into each request's `asyncio.Queue`.
+Threads and what each owns:
+  event loop thread  (the gRPC servicer) each `RequestStream` and its asyncio queue; it calls `submit`, `cancel`,
+                     `stop_admission`, which only put a command on the command queue (and take a waiting place
+                     from the bounded semaphore).
+  engine thread      everything else here: the engine, the waiting deque, the slot table, the samples' trackers
+                     and the decode call in flight. It blocks on the command queue when it has nothing to do,
+                     never polls. After each turn it publishes `stats`, an immutable snapshot.
+  other readers      (the metrics collector, tests) read `stats` (free slots, used KV positions) and `queued`
+                     (two counters: requests submitted, written by the event loop thread; requests that left
+                     the waiting deque, written by the engine thread).
+
+One turn of the engine thread: take every waiting command (submit, cancel, stop); admit waiting requests into free
+slots (prefill + insert: the first token is sampled there); dispatch the next decode call; then read back the
+previous call (one call stays in flight, so detokenizing and streaming overlap the device) and the new first
+tokens; hand each request its events (several tokens of a sample in one event).
+A request takes its slots when it leaves the waiting deque and is then prefilled chunk by chunk: while requests
+are decoding, each turn queues at most about `prefill_budget` prompt tokens of prefill (at least one step), so
+arriving prompts never stall running streams for more than about one prefill chunk.
 """
 
 from __future__ import annotations
@@ -15,12 +30,22 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from tpuserve.grpc_service.jobs import ErrorEvent, Event, Finish, GenerationJob, PromptEvent, SampleEvent
+from tpuserve.grpc_service.jobs import (
+    ErrorEvent,
+    Event,
+    Finish,
+    FirstTokenTiming,
+    GenerationJob,
+    PromptEvent,
+    SampleEvent,
+    merge_events,
+)
 from tpuserve.grpc_service.sample import SampleTracker
-from tpuserve.sampler.api import Engine, StepArrays, TokenOut
+from tpuserve.sampler.api import Engine, Pending, StepArrays, TokenOut
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +59,12 @@ class ShuttingDownError(Exception):
 
 
 class RequestStream:
-    """The asyncio side of one request: its events, in order, until every sample has finished."""
+    """The event loop's side of one request: its events, in order, until every sample has finished."""
 
     def __init__(
         self, job: GenerationJob, loop: asyncio.AbstractEventLoop, deadline: float | None = None
     ) -> None:
         self.job = job
-        self.cancelled = False  # cancelled by the client, or dropped from the queue: never (again) in a slot
         self.submitted = time.monotonic()
         self.deadline = deadline  # time.monotonic() by which the client stops waiting (its gRPC deadline)
         self._loop = loop
@@ -64,12 +88,30 @@ class RequestStream:
                     open_samples -= 1
 
 
+class Stats(NamedTuple):
+    free_slots: int
+    used_positions: int = 0  # KV-cache positions of the samples holding slots (prompt + generated)
+
+
 @dataclass
 class _Running:
     stream: RequestStream
     trackers: list[SampleTracker]
+    admitted: float
     slots: dict[int, int] = field(default_factory=dict)  # sample index -> slot, while it holds one
     outbox: list[Event] = field(default_factory=list)
+    timed: set[int] = field(default_factory=set)  # samples whose first token has been timed
+    prefill: Iterator[object] | None = None  # the engine's prefill steps, until the prefix is ready
+
+
+@dataclass
+class _InFlight:
+    result: Pending[StepArrays]
+    owners: dict[int, tuple[_Running, int]]  # slot -> (request, sample) when the call was dispatched
+    dispatched: float  # time.perf_counter()
+
+
+_SUBMIT, _CANCEL, _STOP = "submit", "cancel", "stop"
 
 
 class Orchestrator:
@@ -81,32 +123,43 @@ class Orchestrator:
         token_bytes: Sequence[bytes],
         special_ids: frozenset[int],
         max_queue: int = 256,
-        idle_wait_s: float = 1.0,
         max_queue_wait_s: float | None = None,
+        prefill_budget: int | None = None,
     ) -> None:
-        self.engine = engine
-        self._token_bytes = token_bytes
-        self._special = frozenset(special_ids)
-        self._queue: queue.Queue[RequestStream] = queue.Queue(maxsize=max_queue)
-        self._cancels: collections.deque[RequestStream] = collections.deque()
-        self._wake = threading.Event()
-        self._stopping = threading.Event()
-        self._admitting = True
-        self._idle_wait_s = idle_wait_s
         if max_queue_wait_s is not None and max_queue_wait_s <= 0:
             raise ValueError(f"max_queue_wait must be positive seconds (or unset), not {max_queue_wait_s}")
+        self.engine = engine
+        self.max_queue = max_queue
         self.max_queue_wait_s = max_queue_wait_s  # longer without a slot: RESOURCE_EXHAUSTED
-        # a heap: the lowest free slot first, so live slots stay packed and decode runs on a small batch bucket
+        # prompt tokens prefilled per turn while streams decode; default: one chunk
+        self.prefill_budget = prefill_budget or engine.prefill_chunk
+        self._token_bytes = token_bytes
+        self._special = frozenset(special_ids)
+        self._commands: queue.SimpleQueue[tuple[str, RequestStream | None]] = queue.SimpleQueue()
+        self._places = threading.BoundedSemaphore(max_queue)  # waiting places; taken by submit
+        self._admitting = True  # event loop thread
+        self._submitted = 0  # requests queued so far: written by the event loop thread only
+        self._left = 0  # requests that left the waiting deque so far: written by the engine thread only
+        self._stopped = threading.Event()  # set by the engine thread when it has stopped
+        self._thread: threading.Thread | None = None
+        self.ready = threading.Event()
+        self.stats = Stats(engine.slots)  # published by the engine thread
+        self.on_generate: Callable[[float], None] | None = None  # seconds per decode call (metrics)
+        self.on_drop: Callable[[str], None] | None = None  # a queued request dropped, by gRPC status name
+        # -- engine thread only --
+        self._waiting: collections.deque[RequestStream] = collections.deque()
+        self._cancelled: set[int] = set()  # id() of waiting streams whose client went away
+        # a heap: the lowest free slot first, so occupied slots stay packed and decode runs on a small bucket
         self._free = list(range(engine.slots))
         self._owner: dict[int, tuple[_Running, int]] = {}
         self._running: dict[int, _Running] = {}  # id(stream) -> state
-        self._head: RequestStream | None = None  # dequeued, waiting for enough free slots
+        self._prefilling: collections.deque[_Running] = (
+            collections.deque()
+        )  # admitted, slots taken, prefilling
+        self._firsts: list[tuple[_Running, int, Pending[TokenOut]]] = []  # inserted, first token not yet read
+        self._inflight: _InFlight | None = None
+        self._last_read = 0.0  # when the previous decode call's outputs were read (perf_counter)
         self._closed: list[_Running] = []  # finished since the last flush, events still to deliver
-        self._thread: threading.Thread | None = None
-        self.ready = threading.Event()
-        self.on_generate: Callable[[float], None] | None = None  # seconds per generate call (metrics)
-        # a queued request dropped before a slot, by gRPC status name (metrics)
-        self.on_drop: Callable[[str], None] | None = None
 
     # ---- called from the event loop -------------------------------------------------------------------
 
@@ -126,53 +179,45 @@ class Orchestrator:
     def submit(self, job: GenerationJob, deadline: float | None = None) -> RequestStream:
         """Queue `job`. `deadline` (time.monotonic()): when its client stops waiting; a request still queued
         then is dropped before it takes a slot, like one that waited longer than `max_queue_wait_s`."""
-        if not self._admitting:
+        if not self._admitting or self._stopped.is_set():
             raise ShuttingDownError("the server is shutting down and admits no new requests")
-        stream = RequestStream(job, asyncio.get_running_loop(), deadline)
-        try:
-            self._queue.put_nowait(stream)
-        except queue.Full:
+        if not self._places.acquire(blocking=False):
             raise QueueFullError(
-                f"the server is at capacity: {self._queue.maxsize} requests are already waiting; retry later"
-            ) from None
-        self._wake.set()
+                f"the server is at capacity: {self.max_queue} requests are already waiting; retry later"
+            )
+        stream = RequestStream(job, asyncio.get_running_loop(), deadline)
+        self._submitted += 1
+        self._commands.put((_SUBMIT, stream))
         return stream
 
     def cancel(self, stream: RequestStream) -> None:
-        """Free the request's slots before the next generate call (idempotent)."""
-        if not stream.cancelled:
-            stream.cancelled = True
-            self._cancels.append(stream)
-            self._wake.set()
+        """Free the request's slots before the next decode call (idempotent)."""
+        self._commands.put((_CANCEL, stream))
 
     def stop_admission(self) -> None:
         self._admitting = False
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; requests still open end with an error event."""
-        self._admitting = False
-        self._stopping.set()
-        self._wake.set()
+        self._commands.put((_STOP, None))
         if self._thread is not None:
             self._thread.join(timeout)
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return self.stats.free_slots
 
     @property
     def queued(self) -> int:
-        """Requests waiting for a slot (not yet dropped or cancelled); for metrics and tests."""
-        head = self._head
-        with self._queue.mutex:
-            waiting = sum(not s.cancelled for s in self._queue.queue)
-        return waiting + (head is not None and not head.cancelled)
+        """Requests waiting for a slot (one whose client went away counts until the engine thread has taken it
+        out); for metrics and tests. Two counters, each written by one thread."""
+        return self._submitted - self._left
 
-    # ---- the engine thread ----------------------------------------------------------------------------
+    # ---- the engine thread: the loop ------------------------------------------------------------------
 
     def _main(
         self, warmup: Callable[[], None] | None, on_ready: Callable[[BaseException | None], None] | None
-    ) -> None:
+    ):
         error: BaseException | None = None
         try:
             if warmup is not None:
@@ -180,57 +225,85 @@ class Orchestrator:
         except BaseException as exc:
             log.exception("engine warm-up failed")
             error = exc
-            self._stopping.set()
         self.ready.set()
         if on_ready is not None:
             on_ready(error)
-        while not self._stopping.is_set():
-            self._wake.clear()
+        try:
+            while error is None and self._take_commands():
+                try:
+                    self._turn()
+                except Exception:  # never let the engine thread die: fail what is running, keep serving
+                    log.exception("engine turn failed")
+                    self._fail_all("internal error in the engine loop")
+                self._publish()
+        finally:
+            self._stopped.set()
+            self._fail_all("the server is shutting down", include_queued=True)
+            self._publish()
+
+    def _busy(self) -> bool:
+        return bool(self._owner or self._waiting or self._prefilling or self._inflight or self._firsts)
+
+    def _take_commands(self) -> bool:
+        """Apply every waiting command; block for one when there is nothing else to do. False: stop."""
+        block = not self._busy()
+        while True:
             try:
-                self._step()
-            except Exception:  # never let the engine thread die: fail what is running, keep serving
-                log.exception("engine step failed")
-                self._fail_all("internal error in the engine loop")
-            if not self._owner and not self._has_queued():
-                self._wake.wait(self._idle_wait_s)
-        self._fail_all("the server is shutting down", include_queued=True)
+                # an idle thread waits for the next command; with waiting requests it only looks, a few times a
+                # second, so that their deadlines are kept even when nothing runs
+                kind, stream = self._commands.get(block=block, timeout=None if not self._waiting else 0.05)
+            except queue.Empty:
+                return True
+            if kind == _STOP:
+                return False
+            if kind == _SUBMIT:
+                self._waiting.append(stream)
+            else:
+                self._cancel(stream)
+            block = False
 
-    def _has_queued(self) -> bool:
-        return self._head is not None or not self._queue.empty() or bool(self._cancels)
-
-    def _step(self) -> None:
-        self._apply_cancels()
+    def _turn(self) -> None:
         self._admit()  # first: a request that finds a free slot now is served, however long it waited
         self._drop_expired()
+        self._advance_prefills()
+        previous, self._inflight = self._inflight, None
         if self._owner:
-            t0 = time.perf_counter()
-            try:
-                steps = self.engine.generate()
-            except Exception as exc:
-                log.exception("engine.generate failed")
-                self._fail_all(f"engine error: {exc}")
-                return
-            if self.on_generate is not None:
-                self.on_generate(time.perf_counter() - t0)
-            self._dispatch(steps)
+            self._dispatch_decode()
+        if previous is not None:
+            self._read_decode(previous)
+        self._read_first_tokens()
         self._flush_outboxes()
 
-    def _apply_cancels(self) -> None:
-        while self._cancels:
-            stream = self._cancels.popleft()
-            run = self._running.get(id(stream))
-            if run is None:
-                continue  # still queued (skipped at admission) or already finished
-            for index in list(run.slots):
-                run.outbox.append(run.trackers[index].end(Finish.CANCELLED))
-                self._release(run, index)
-            self._close_if_done(run)
+    def _publish(self) -> None:
+        used = sum(
+            len(run.stream.job.prompt_ids) + run.trackers[i].generated for run, i in self._owner.values()
+        )
+        self.stats = Stats(len(self._free), used)
 
-    def _expiry(self, stream: RequestStream, now: float) -> ErrorEvent | None:
+    # ---- commands and the waiting deque ---------------------------------------------------------------
+
+    def _cancel(self, stream: RequestStream) -> None:
+        run = self._running.get(id(stream))
+        if run is None:
+            if any(s is stream for s in self._waiting):
+                self._cancelled.add(id(stream))  # leaves the deque at the next admission or expiry pass
+            return
+        for index in list(run.slots):
+            run.outbox.append(run.trackers[index].end(Finish.CANCELLED))
+            self._release(run, index)
+        self._close_if_done(run)
+
+    def _leave_queue(self, stream: RequestStream) -> None:
+        self._waiting.remove(stream)
+        self._cancelled.discard(id(stream))
+        self._left += 1
+        self._places.release()
+
+    def _expiry(self, stream: RequestStream, now: float, max_wait: bool = True) -> ErrorEvent | None:
         """Why a queued request must not wait any longer (its client's deadline, max_queue_wait), or None."""
         if stream.deadline is not None and now >= stream.deadline:
             return ErrorEvent("the request's deadline passed while it waited for a slot", "DEADLINE_EXCEEDED")
-        if self.max_queue_wait_s is not None and now - stream.submitted >= self.max_queue_wait_s:
+        if max_wait and self.max_queue_wait_s is not None and now - stream.submitted >= self.max_queue_wait_s:
             return ErrorEvent(
                 f"no slot was free within max_queue_wait = {self.max_queue_wait_s:g} s; retry later",
                 "RESOURCE_EXHAUSTED",
@@ -238,86 +311,144 @@ class Orchestrator:
         return None
 
     def _drop(self, stream: RequestStream, event: ErrorEvent) -> None:
-        stream.cancelled = True  # admission skips it
+        self._leave_queue(stream)
+        self._publish()  # before the client hears of it
         stream.deliver([event])
         if self.on_drop is not None:
             self.on_drop(event.code)
 
     def _drop_expired(self) -> None:
         """After admission: end every request still waiting past its deadline or `max_queue_wait_s`, and take the
-        ended and client-cancelled ones out of the queue (they would count against `max_queue`)."""
+        client-cancelled ones out of the deque."""
         now = time.monotonic()
-        with self._queue.mutex:
-            waiting = list(self._queue.queue)
-        if self._head is not None:
-            waiting.append(self._head)
-        for stream in waiting:
-            if not stream.cancelled and (event := self._expiry(stream, now)) is not None:
+        for stream in list(self._waiting):
+            if id(stream) in self._cancelled:
+                self._leave_queue(stream)
+            elif (event := self._expiry(stream, now)) is not None:
                 self._drop(stream, event)
-        if self._head is not None and self._head.cancelled:
-            self._head = None
-        with self._queue.mutex:  # only this thread takes from the queue; submit() may append meanwhile
-            if any(s.cancelled for s in self._queue.queue):
-                live = [s for s in self._queue.queue if not s.cancelled]
-                self._queue.queue.clear()
-                self._queue.queue.extend(live)
-                self._queue.not_full.notify_all()
 
     def _admit(self) -> None:
-        while True:
-            if self._head is None:
-                try:
-                    self._head = self._queue.get_nowait()
-                except queue.Empty:
-                    return
-            stream = self._head
-            if stream.cancelled:
-                self._head = None
+        """Waiting requests take their slots, first come first served, and start their prefill."""
+        while self._waiting:
+            stream = self._waiting[0]
+            if id(stream) in self._cancelled:
+                self._leave_queue(stream)
                 continue
-            now = time.monotonic()
-            if stream.deadline is not None and now >= stream.deadline:
-                # its client has stopped waiting: no slot for it. (max_queue_wait is not checked here: a request
-                # that finds a free slot is served however long it waited.)
-                self._head = None
-                self._drop(stream, self._expiry(stream, now))
+            # its client has stopped waiting: no slot for it. (max_queue_wait is not checked here: a request that
+            # finds a free slot is served however long it waited.)
+            if (event := self._expiry(stream, time.monotonic(), max_wait=False)) is not None:
+                self._drop(stream, event)
                 continue
-            if stream.job.max_tokens > 0 and len(self._free) < stream.job.n:
+            job = stream.job
+            if job.max_tokens > 0 and len(self._free) < job.n:
                 return  # first come, first served: wait for slots
-            self._head = None
+            self._leave_queue(stream)
             self._start(stream)
+
+    # ---- the engine thread: engine calls --------------------------------------------------------------
 
     def _start(self, stream: RequestStream) -> None:
         job = stream.job
         trackers = [SampleTracker(job, i, self._token_bytes, self._special) for i in range(job.n)]
-        run = _Running(stream, trackers)
+        run = _Running(stream, trackers, admitted=time.monotonic())
         self._running[id(stream)] = run
+        for index in range(job.n if job.max_tokens > 0 else 0):
+            run.slots[index] = heapq.heappop(self._free)
         try:
-            prefix = self.engine.prefill(list(job.prompt_ids), job.prompt_logprobs)
+            run.prefill = self.engine.prefill_steps(list(job.prompt_ids), job.prompt_logprobs)
+        except Exception as exc:
+            log.exception("prefill failed for request %s", job.request_id)
+            self._fail(run, f"engine error: {exc}")
+            return
+        self._prefilling.append(run)
+
+    def _advance_prefills(self) -> None:
+        """Queue prefill steps: all of them when nothing decodes; else about `prefill_budget` prompt tokens (at
+        least one step), so running streams wait at most about one chunk between two decode calls."""
+        budget = self.prefill_budget if self._owner else None
+        while self._prefilling and (budget is None or budget > 0):
+            run = self._prefilling[0]
+            if self._running.get(id(run.stream)) is not run:  # cancelled or failed meanwhile
+                self._prefilling.popleft()
+                continue
+            try:
+                prefix = next(run.prefill)
+            except Exception as exc:
+                log.exception("prefill failed for request %s", run.stream.job.request_id)
+                self._prefilling.popleft()
+                self._fail(run, f"engine error: {exc}")
+                continue
+            if budget is not None:
+                budget -= self.engine.prefill_cost(len(run.stream.job.prompt_ids))
+            if prefix is not None:
+                self._prefilling.popleft()
+                self._insert(run, prefix)
+
+    def _insert(self, run: _Running, prefix: object) -> None:
+        job = run.stream.job
+        try:
             if job.prompt_logprobs:
                 run.outbox.append(PromptEvent(self.engine.prompt_logprobs(prefix)))
             if job.max_tokens == 0:
-                run.outbox.extend(t.end(Finish.LENGTH) for t in trackers)
+                run.outbox.extend(t.end(Finish.LENGTH) for t in run.trackers)
             for index, params in enumerate(job.samples if job.max_tokens > 0 else ()):
-                slot = heapq.heappop(self._free)
-                run.slots[index] = slot
+                slot = run.slots[index]
                 self._owner[slot] = (run, index)
-                self._on_token(run, index, self.engine.insert(prefix, slot, params))
+                self._firsts.append((run, index, self.engine.start_insert(prefix, slot, params)))
         except Exception as exc:
-            log.exception("prefill/insert failed for request %s", job.request_id)
+            log.exception("insert failed for request %s", job.request_id)
             self._fail(run, f"engine error: {exc}")
             return
         self._close_if_done(run)
 
-    def _dispatch(self, steps: StepArrays) -> None:
+    def _dispatch_decode(self) -> None:
+        dispatched = time.perf_counter()
+        try:
+            result = self.engine.start_generate()
+        except Exception as exc:
+            log.exception("engine.start_generate failed")
+            self._fail_all(f"engine error: {exc}")
+            return
+        self._inflight = _InFlight(result, dict(self._owner), dispatched)
+
+    def _read_decode(self, call: _InFlight) -> None:
+        try:
+            steps = call.result.result()
+        except Exception as exc:
+            log.exception("engine decode call failed")
+            self._fail_all(f"engine error: {exc}")
+            return
+        now = time.perf_counter()
+        if (
+            self.on_generate is not None
+        ):  # the call ran from its dispatch or from the end of the one before it
+            self.on_generate(now - max(call.dispatched, self._last_read))
+        self._last_read = now
         for step in range(steps.valid.shape[0]):
             for slot in steps.valid[step].nonzero()[0].tolist():
-                owner = self._owner.get(slot)
-                if owner is not None:
+                owner = call.owners.get(slot)
+                if owner is not None and owner[0].slots.get(owner[1]) == slot:  # still that sample's slot
                     self._on_token(owner[0], owner[1], steps.token(step, slot))
+
+    def _read_first_tokens(self) -> None:
+        firsts, self._firsts = self._firsts, []
+        for run, index, pending in firsts:
+            if run.slots.get(index) is None:
+                continue  # cancelled or failed meanwhile
+            try:
+                token = pending.result()
+            except Exception as exc:
+                log.exception("insert failed for request %s", run.stream.job.request_id)
+                self._fail(run, f"engine error: {exc}")
+                continue
+            self._on_token(run, index, token)
 
     def _on_token(self, run: _Running, index: int, token: TokenOut) -> None:
         event = run.trackers[index].add(token)
         if event is not None:
+            if index not in run.timed and event.tokens:
+                run.timed.add(index)
+                event.timing = FirstTokenTiming(run.stream.submitted, run.admitted, time.monotonic())
             run.outbox.append(event)
         if run.trackers[index].finished:
             self._release(run, index)
@@ -339,9 +470,10 @@ class Orchestrator:
             self._closed.append(run)
 
     def _flush_outboxes(self) -> None:
+        self._publish()  # before any client hears of what this turn did
         for run in [*self._running.values(), *self._closed]:
             if run.outbox:
-                run.stream.deliver(run.outbox)
+                run.stream.deliver(merge_events(run.outbox))
                 run.outbox = []
         self._closed.clear()
 
@@ -354,13 +486,14 @@ class Orchestrator:
         self._close_if_done(run)
 
     def _fail_all(self, message: str, include_queued: bool = False) -> None:
+        self._inflight = None
+        self._prefilling.clear()
+        self._firsts = []
         for run in list(self._running.values()):
             self._fail(run, message)
         if include_queued:
-            pending = [self._head] if self._head is not None else []
-            self._head = None
-            while not self._queue.empty():
-                pending.append(self._queue.get_nowait())
-            for stream in pending:
+            while self._waiting:
+                stream = self._waiting[0]
+                self._leave_queue(stream)
                 stream.deliver([ErrorEvent(message)])
         self._flush_outboxes()

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 from tpuserve.grpc_service.convert import TokenConverter
-from tpuserve.grpc_service.jobs import ErrorEvent, Finish, PromptEvent, SampleEvent
+from tpuserve.grpc_service.jobs import Finish, PromptEvent, SampleEvent
 from tpuserve.grpc_service.metrics import BackendMetrics
 from tpuserve.grpc_service.orchestrator import Orchestrator, QueueFullError, RequestStream, ShuttingDownError
 from tpuserve.grpc_service.validation import InvalidRequest, Limits, build_job, check_token_ids, render_chat
@@ -48,6 +48,64 @@ def _prompt_of(request: pb.GenerateRequest) -> object:
     if kind == "chat":
         return [{"role": m.role, "content": m.content} for m in request.chat.messages]
     return None
+
+
+class _Responses:
+    """One Generate call's events -> response messages, with its per-sample token counts, log record and metrics."""
+
+    def __init__(self, job, convert: TokenConverter, rec: _Record, metrics: BackendMetrics | None) -> None:
+        self.job, self.convert, self.rec, self.metrics = job, convert, rec, metrics
+        self.prompt_len = len(job.prompt_ids)
+        self.sent = [0] * job.n  # tokens sent per sample: the next token's index
+        self.finished = [False] * job.n
+
+    def prompt(self, event: PromptEvent) -> pb.GenerateResponse:
+        return pb.GenerateResponse(
+            request_id=self.job.request_id,
+            index=0,
+            prompt_tokens=self.convert.prompt(self.job.prompt_ids, event.logprobs),
+            prompt_tokens_count=self.prompt_len,
+        )
+
+    def sample(self, event: SampleEvent) -> pb.GenerateResponse:
+        rec, metrics = self.rec, self.metrics
+        if event.tokens:
+            if rec.first_token is None:
+                rec.first_token = time.monotonic()
+                if metrics is not None:
+                    metrics.ttft.observe(rec.first_token - rec.start)
+                    if event.timing is not None:
+                        metrics.observe_first_token(event.timing, rec.first_token)
+            rec.completion_tokens += len(event.tokens)
+            if metrics is not None:
+                metrics.tokens.inc(len(event.tokens))
+        if event.finish is not None:
+            self._count_finish(event.finish)
+        msg = self.convert.response(self.job.request_id, event, self.sent[event.index], self.prompt_len)
+        self.sent[event.index] += len(event.tokens)
+        self.finished[event.index] = event.finish is not None
+        return msg
+
+    def fail_open(self, message: str) -> list[pb.GenerateResponse]:
+        out = []
+        for index in (i for i, done in enumerate(self.finished) if not done):
+            failed = SampleEvent(index, finish=Finish.ERROR, error=message)
+            failed.completion_tokens = self.sent[index]
+            self._count_finish(Finish.ERROR)
+            out.append(self.convert.response(self.job.request_id, failed, self.sent[index], self.prompt_len))
+        self.end_all()
+        return out
+
+    def _count_finish(self, finish: Finish) -> None:
+        self.rec.finish.append(finish.value)
+        if self.metrics is not None:
+            self.metrics.finished.labels(finish.value).inc()
+
+    def end_all(self) -> None:
+        self.finished = [True] * self.job.n
+
+    def all_finished(self) -> bool:
+        return all(self.finished)
 
 
 class TextGenerationServicer(pb_grpc.TextGenerationServicer):
@@ -122,6 +180,39 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     async def _generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, rec: _Record
     ) -> AsyncIterator[pb.GenerateResponse]:
+        job = await self._job(request, context, rec)
+        stream = await self._submit(job, context, rec)
+        out = _Responses(job, TokenConverter(self.tokenizer, request.logprobs.enabled, request.logprobs.top_logprobs),
+                         rec, self.metrics)  # fmt: skip
+        self._open.add(stream)
+        self._idle.clear()
+        try:
+            async for event in stream.events():
+                if isinstance(event, PromptEvent):
+                    yield out.prompt(event)
+                elif isinstance(event, SampleEvent):
+                    yield out.sample(event)
+                elif (
+                    event.code != "INTERNAL"
+                ):  # dropped from the queue (deadline, max_queue_wait): nothing sent
+                    out.end_all()
+                    rec.code, rec.error = event.code, event.message
+                    await context.abort(grpc.StatusCode[event.code], event.message)
+                else:  # the engine failed: every open sample ends with ERROR, then the call with INTERNAL
+                    for msg in out.fail_open(event.message):
+                        yield msg
+                    rec.code, rec.error = "INTERNAL", event.message
+                    await context.abort(grpc.StatusCode.INTERNAL, event.message)
+        finally:
+            if not out.all_finished():  # the client went away (cancel, deadline): free the slots
+                remaining = context.time_remaining()
+                rec.code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+                self.orchestrator.cancel(stream)
+            self._open.discard(stream)
+            if not self._open:
+                self._idle.set()
+
+    async def _job(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, rec: _Record):
         try:
             job = build_job(request, self.tokenizer, self.limits, self.tokenizer.eos_ids)
         except InvalidRequest as e:
@@ -129,72 +220,20 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rec.request_id = job.request_id
         rec.prompt_tokens = len(job.prompt_ids)
+        return job
+
+    async def _submit(self, job, context: grpc.aio.ServicerContext, rec: _Record) -> RequestStream:
         try:
             remaining = context.time_remaining()  # None without a client deadline
             deadline = None if remaining is None else time.monotonic() + remaining
-            stream = self.orchestrator.submit(job, deadline)
+            return self.orchestrator.submit(job, deadline)
         except QueueFullError as e:
             rec.code, rec.error = "RESOURCE_EXHAUSTED", str(e)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ShuttingDownError as e:
             rec.code, rec.error = "UNAVAILABLE", str(e)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        convert = TokenConverter(self.tokenizer, request.logprobs.enabled, request.logprobs.top_logprobs)
-        metrics = self.metrics
-        prompt_len = len(job.prompt_ids)
-        sent = [0] * job.n  # tokens sent per sample: the next token's index
-        finished = [False] * job.n
-        self._open.add(stream)
-        self._idle.clear()
-        try:
-            async for event in stream.events():
-                if isinstance(event, PromptEvent):
-                    yield pb.GenerateResponse(
-                        request_id=job.request_id,
-                        index=0,
-                        prompt_tokens=convert.prompt(job.prompt_ids, event.logprobs),
-                        prompt_tokens_count=prompt_len,
-                    )
-                elif isinstance(event, SampleEvent):
-                    if event.tokens:
-                        if rec.first_token is None:
-                            rec.first_token = time.monotonic()
-                            if metrics is not None:
-                                metrics.ttft.observe(rec.first_token - rec.start)
-                        rec.completion_tokens += len(event.tokens)
-                        if metrics is not None:
-                            metrics.tokens.inc(len(event.tokens))
-                    if event.finish is not None:
-                        rec.finish.append(event.finish.value)
-                        if metrics is not None:
-                            metrics.finished.labels(event.finish.value).inc()
-                    yield convert.response(job.request_id, event, sent[event.index], prompt_len)
-                    sent[event.index] += len(event.tokens)
-                    finished[event.index] = event.finish is not None
-                elif isinstance(event, ErrorEvent) and event.code != "INTERNAL":
-                    # dropped from the queue (deadline passed, max_queue_wait): nothing was sent yet
-                    finished = [True] * job.n
-                    rec.code, rec.error = event.code, event.message
-                    await context.abort(grpc.StatusCode[event.code], event.message)
-                elif isinstance(event, ErrorEvent):
-                    for index in (i for i, done in enumerate(finished) if not done):
-                        failed = SampleEvent(index, finish=Finish.ERROR, error=event.message)
-                        failed.completion_tokens = sent[index]
-                        rec.finish.append(Finish.ERROR.value)
-                        if metrics is not None:
-                            metrics.finished.labels(Finish.ERROR.value).inc()
-                        yield convert.response(job.request_id, failed, sent[index], prompt_len)
-                    finished = [True] * job.n
-                    rec.code, rec.error = "INTERNAL", event.message
-                    await context.abort(grpc.StatusCode.INTERNAL, event.message)
-        finally:
-            if not all(finished):  # the client went away (cancel, deadline): free the slots
-                remaining = context.time_remaining()
-                rec.code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
-                self.orchestrator.cancel(stream)
-            self._open.discard(stream)
-            if not self._open:
-                self._idle.set()
+        raise AssertionError("unreachable: abort raises")
 
     async def drain(self, timeout: float) -> bool:
         """Wait for open Generate streams to end; after `timeout` cancel them (they end with CANCELLED)."""

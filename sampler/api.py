@@ -4,7 +4,7 @@ with hand-computable outputs can stand in for the real one in service tests (Jet
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -108,10 +108,20 @@ class Engine(abc.ABC):
     steps_per_call: int
     vocab_size: int
     top_k_width: int = MAX_TOP_LOGPROBS
+    prefill_chunk: int = 512  # prompt tokens one prefill step computes at most
 
     @abc.abstractmethod
     def prefill(self, tokens: list[int], want_prompt_logprobs: bool = False) -> Any:
         """Run the prompt once; the returned prefix can be inserted into several slots (n samples)."""
+
+    def prefill_steps(self, tokens: list[int], want_prompt_logprobs: bool = False) -> Iterator[Any]:
+        """`prefill` one chunk per `next()`: None until the last step yields the prefix. The engine thread puts
+        decode calls between the chunks of a long prompt, so running streams never wait for a whole prompt."""
+        yield self.prefill(tokens, want_prompt_logprobs)
+
+    def prefill_cost(self, prompt_len: int) -> int:
+        """Prompt positions one prefill step computes for a prompt of this length (its padded chunk)."""
+        return min(prompt_len, self.prefill_chunk)
 
     @abc.abstractmethod
     def prompt_logprobs(self, prefix: Any) -> PromptLogprobs | None:

@@ -12,6 +12,7 @@ Driven by one thread (the orchestrator's engine thread, which also runs `warm_up
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import jax
@@ -90,6 +91,7 @@ class JaxEngine(Engine):
         self.top_k_width = MAX_TOP_LOGPROBS
         self.processed_logprobs = processed_logprobs
         self.prefill_buckets = power_of_two_buckets(min(min_prefill_bucket, max_seq_len), max_seq_len)
+        self.prefill_chunk = min(prefill_chunk, max_seq_len)
         self.attend_buckets = power_of_two_buckets(min(min_attend_bucket, max_seq_len), max_seq_len)
         # None: always all slots. Buckets never go below 2 rows (a 1-row product rounds differently).
         smallest = max(min_batch_bucket or slots, MIN_BATCH_BUCKET)
@@ -121,19 +123,39 @@ class JaxEngine(Engine):
         return jax.device_put(state, shardings)
 
     # -- Engine API ---------------------------------------------------------------------------------------------
-    def prefill(self, tokens: list[int], want_prompt_logprobs: bool = False) -> Prefix:
+    def prefill_steps(self, tokens: list[int], want_prompt_logprobs: bool = False) -> Iterator[Prefix | None]:
+        """Dispatch the prompt chunk by chunk: each `next()` queues one chunk (None) until the last yields the
+        Prefix. A prompt within one chunk is one program."""
         n = len(tokens)
         if not 0 < n <= self.max_seq_len:
             raise ValueError(f"prompt of {n} tokens: must be 1..{self.max_seq_len}")
         bucket = bucket_for(n, self.prefill_buckets)
         padded = np.zeros(bucket, np.int32)
         padded[:n] = tokens
-        cache, last_logits, prompt = self.programs.prefill(
-            self.params, padded, np.int32(n), bucket=bucket, want_prompt_logprobs=want_prompt_logprobs
-        )
+        p = self.programs
+        if bucket <= self.prefill_chunk:
+            cache, last_logits, prompt = p.prefill(self.params, padded, np.int32(n), bucket=bucket,
+                                                   want_prompt_logprobs=want_prompt_logprobs)  # fmt: skip
+        else:
+            cache, hidden = None, []
+            for start in range(0, bucket, self.prefill_chunk):
+                chunk = padded[start : start + self.prefill_chunk]
+                cache, h = p.prefill_chunk(self.params, cache, chunk, start=start, bucket=bucket)
+                hidden.append(h)
+                if start + self.prefill_chunk < bucket:
+                    yield None
+            last_logits, prompt = p.prefill_finish(self.params, jnp.concatenate(hidden), padded, np.int32(n),
+                                                   want_prompt_logprobs=want_prompt_logprobs)  # fmt: skip
         if prompt is not None:
             _host_copy(prompt)
-        return Prefix(cache, last_logits, n, prompt)
+        yield Prefix(cache, last_logits, n, prompt)
+
+    def prefill(self, tokens: list[int], want_prompt_logprobs: bool = False) -> Prefix:
+        *_, prefix = self.prefill_steps(tokens, want_prompt_logprobs)
+        return prefix
+
+    def prefill_cost(self, prompt_len: int) -> int:
+        return min(bucket_for(prompt_len, self.prefill_buckets), self.prefill_chunk)
 
     def prompt_logprobs(self, prefix: Prefix) -> PromptLogprobs | None:
         if prefix.prompt is None:

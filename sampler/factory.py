@@ -8,16 +8,21 @@ import time
 
 from tpuserve.model.loader import load_model
 from tpuserve.model.sharding import make_mesh
+from tpuserve.model.tokenizer import Tokenizer
 from tpuserve.sampler.config import EngineConfig
 from tpuserve.sampler.engine import JaxEngine
 
 log = logging.getLogger(__name__)
 
 
-def load_engine(cfg: EngineConfig):
+def load_engine(cfg: EngineConfig) -> tuple[JaxEngine, Tokenizer, str]:
     """-> (engine, tokenizer, model_id) for the gRPC service: the model is placed by the sharding rules of
     the configured mesh as it loads, and the engine's decode state uses the same mesh."""
-    mesh = make_mesh(cfg.model_parallel, cfg.data_parallel) if cfg.model_parallel * cfg.data_parallel > 1 else None
+    mesh = (
+        make_mesh(cfg.model_parallel, cfg.data_parallel)
+        if cfg.model_parallel * cfg.data_parallel > 1
+        else None
+    )
     loaded = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh)
     engine = JaxEngine(
         loaded,

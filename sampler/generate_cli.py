@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 
+from tpuserve.model.loader import load_model
 from tpuserve.sampler.api import SlotParams
+from tpuserve.sampler.engine import JaxEngine
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tpuserve generate", description=__doc__)
     p.add_argument("prompt")
     p.add_argument("--model", default=None)
@@ -18,14 +21,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as one user message (chat template)")
     args = p.parse_args(argv)
-    from tpuserve.model.loader import load_model
-    from tpuserve.sampler.engine import JaxEngine
-
     loaded = load_model(args.model)
     tok = loaded.tokenizer
-    ids = tok.render_chat([{"role": "user", "content": args.prompt}])[1] if args.chat else tok.encode(args.prompt)
+    ids = (
+        tok.render_chat([{"role": "user", "content": args.prompt}])[1]
+        if args.chat
+        else tok.encode(args.prompt)
+    )
     engine = JaxEngine(loaded, slots=1, max_seq_len=len(ids) + args.max_tokens + 8, steps_per_call=8)
-    params = SlotParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, stop_ids=tok.eos_ids)
+    params = SlotParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, stop_ids=tok.eos_ids
+    )
     first = engine.insert(engine.prefill(ids), 0, params)
     out, done = [first.token_id], first.done
     while not done:

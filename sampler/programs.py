@@ -1,7 +1,8 @@
 """The jitted programs of the engine, as plain functions over the split NNX state (never `nnx.jit`, which walks
-the object graph in Python on every call). Shapes are static per program: prefill per prompt bucket Lp,
-decode per (attended-length bucket A, batch bucket b); everything else (per-slot parameters, lengths, slot
-index) is traced."""
+the object graph in Python on every call). Shapes are static per program: prefill per prompt bucket Lp (a bucket
+longer than one chunk: one program per chunk, so the engine thread can put decode calls between them, and one
+that finishes), decode per (attended-length bucket A, batch bucket b); everything else (per-slot parameters,
+lengths, slot index) is traced."""
 
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ class Programs(NamedTuple):
     prefill: (
         Any  # (params, tokens [Lp], true_len; bucket, want_prompt_logprobs) -> (prefix, last_logits, prompt)
     )
+    prefill_chunk: Any  # (params, cache | None, tokens [chunk]; start, bucket) -> (cache, hidden [chunk, H])
+    prefill_finish: (
+        Any  # (params, hidden [Lp, H], tokens [Lp], true_len; want_prompt_logprobs) -> (logits, prompt)
+    )
     insert: Any  # (state, prefix, last_logits, slot, prompt_len, SlotSampling) -> (state, (StepOut, done))
     decode: Any  # (params, state; attend_len, batch) -> (state, (StepOut, valid, done) each [N, batch])
     release: Any  # (state, slot) -> state
@@ -65,17 +70,20 @@ def is_done(ids, generated, s: SlotSampling, lengths, max_seq_len: int) -> jax.A
     return hit_stop | (generated >= s.max_tokens) | (lengths >= max_seq_len)
 
 
-def prefill_program(m: Llama, tokens: jax.Array, true_len: jax.Array, bucket: int, want_prompt_logprobs: bool,
-                    cfg: ProgramConfig):  # fmt: skip
-    """tokens: [bucket] (padded); returns (prefix cache [L,1,bucket,...], last logits [V], prompt logprobs)."""
-    cache = init_cache(m.cfg, 1, bucket, m.embed.value.dtype)
-    chunk = min(cfg.chunk, bucket)
-    hidden = []
-    for start in range(0, bucket, chunk):  # static: one program per bucket, chunks attend to what is written
-        pos = jnp.arange(start, start + chunk, dtype=jnp.int32)[None]
-        h, cache = m(tokens[None, start : start + chunk], pos, cache, start + chunk)
-        hidden.append(h[0])
-    hidden = jnp.concatenate(hidden, axis=0)  # [bucket, H]
+def prefill_chunk_program(m: Llama, cache: KVCache | None, tokens: jax.Array, start: int, bucket: int):
+    """Prompt positions start..start+len(tokens)-1 of a bucket-long prefix (a fresh cache when start == 0);
+    they attend to everything written before them. Returns (cache [L,1,bucket,...], hidden [chunk, H])."""
+    if cache is None:
+        cache = init_cache(m.cfg, 1, bucket, m.embed.value.dtype)
+    chunk = tokens.shape[0]
+    pos = jnp.arange(start, start + chunk, dtype=jnp.int32)[None]
+    h, cache = m(tokens[None], pos, cache, start + chunk)
+    return cache, h[0]
+
+
+def prefill_finish_program(m: Llama, hidden: jax.Array, tokens: jax.Array, true_len, want_prompt_logprobs: bool,
+                           cfg: ProgramConfig):  # fmt: skip
+    """hidden: [bucket, H] of the whole prompt -> (last logits [V], prompt logprobs or None)."""
     last_logits = m.logits(jax.lax.dynamic_index_in_dim(hidden, true_len - 1, keepdims=False))
     prompt = None
     if want_prompt_logprobs:  # entry j: logprob of token j+1 given tokens 0..j
@@ -83,7 +91,14 @@ def prefill_program(m: Llama, tokens: jax.Array, true_len: jax.Array, bucket: in
         top_vals, top_ids = top_logprobs(lp, cfg.K)
         chosen = jnp.take_along_axis(lp, tokens[1:, None], axis=-1)[:, 0]
         prompt = (chosen, top_ids, top_vals)
-    return cache, last_logits, prompt
+    return last_logits, prompt
+
+
+def prefill_program(m: Llama, tokens: jax.Array, true_len: jax.Array, bucket: int, want_prompt_logprobs: bool,
+                    cfg: ProgramConfig):  # fmt: skip
+    """A prompt bucket of at most one chunk in one program: (prefix cache, last logits [V], prompt logprobs)."""
+    cache, hidden = prefill_chunk_program(m, None, tokens, 0, bucket)
+    return (cache, *prefill_finish_program(m, hidden, tokens, true_len, want_prompt_logprobs, cfg))
 
 
 def insert_program(state: DecodeState, prefix: KVCache, last_logits, slot, prompt_len, one: SlotSampling,
@@ -139,6 +154,14 @@ def build_programs(graphdef: Any, cfg: ProgramConfig) -> Programs:
     def prefill(params, tokens, true_len, bucket: int, want_prompt_logprobs: bool):
         return prefill_program(model(params), tokens, true_len, bucket, want_prompt_logprobs, cfg)
 
+    @functools.partial(jax.jit, static_argnames=("start", "bucket"), donate_argnums=(1,))
+    def prefill_chunk(params, cache, tokens, start: int, bucket: int):
+        return prefill_chunk_program(model(params), cache, tokens, start, bucket)
+
+    @functools.partial(jax.jit, static_argnames=("want_prompt_logprobs",))
+    def prefill_finish(params, hidden, tokens, true_len, want_prompt_logprobs: bool):
+        return prefill_finish_program(model(params), hidden, tokens, true_len, want_prompt_logprobs, cfg)
+
     @functools.partial(jax.jit, donate_argnums=(0,))
     def insert(state: DecodeState, prefix: KVCache, last_logits, slot, prompt_len, one: SlotSampling):
         return insert_program(state, prefix, last_logits, slot, prompt_len, one, cfg)
@@ -151,4 +174,4 @@ def build_programs(graphdef: Any, cfg: ProgramConfig) -> Programs:
     def release(state: DecodeState, slot):
         return state.replace(active=state.active.at[slot].set(False))
 
-    return Programs(prefill, insert, decode, release)
+    return Programs(prefill, prefill_chunk, prefill_finish, insert, decode, release)

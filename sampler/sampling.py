@@ -95,7 +95,14 @@ def processed_logits(logits: jax.Array, temperature, top_p, top_k, min_p) -> jax
 
 
 def sample(
-    logits: jax.Array, greedy_ids: jax.Array, keys: jax.Array, positions: jax.Array, temperature, top_p, top_k, min_p
+    logits: jax.Array,
+    greedy_ids: jax.Array,
+    keys: jax.Array,
+    positions: jax.Array,
+    temperature,
+    top_p,
+    top_k,
+    min_p,
 ) -> jax.Array:
     """Token ids [B]: greedy where temperature == 0, else a draw from the processed distribution.
 

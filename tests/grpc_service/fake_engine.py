@@ -14,7 +14,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from tpuserve.sampler.api import MAX_TOP_LOGPROBS, Engine, PromptLogprobs, SlotParams, StepArrays, TokenOut
+from tpuserve.sampler.api import (
+    MAX_TOP_LOGPROBS,
+    Engine,
+    Pending,
+    PromptLogprobs,
+    SlotParams,
+    StepArrays,
+    TokenOut,
+)
 
 K = MAX_TOP_LOGPROBS
 
@@ -47,6 +55,7 @@ class FakeEngine(Engine):
         steps_per_call: int = 4,
         script: Callable[[tuple[int, ...], int], Sequence[int]] | None = None,
         delay_s: float = 0.0,
+        prefill_chunk: int = 512,
     ) -> None:
         self.vocab_size = vocab_size
         self.slots = slots
@@ -57,6 +66,8 @@ class FakeEngine(Engine):
         self.script = script
         self.scripts: dict[tuple[int, ...], list[int]] = {}  # prompt -> the tokens every sample generates
         self.delay_s = delay_s
+        self.prefill_chunk = prefill_chunk
+        self.log: list[str] = []  # "prefill" (one step of one prompt), "generate" (when a decode call computes)
         self.gate: threading.Event | None = None  # when set up, generate() waits for it
         self.fail_prefill: Callable[[list[int]], bool] = lambda tokens: False
         self.fail_generate = False
@@ -97,6 +108,21 @@ class FakeEngine(Engine):
             raise RuntimeError("fake prefill failure")
         return tuple(tokens), want_prompt_logprobs
 
+    def prefill_steps(self, tokens: list[int], want_prompt_logprobs: bool = False):
+        """One step per `prefill_chunk` tokens, like the real engine's chunked prefill."""
+        steps = max(1, -(-len(tokens) // self.prefill_chunk))
+        for _ in range(steps - 1):
+            self.log.append("prefill")
+            yield None
+        self.log.append("prefill")
+        yield self.prefill(tokens, want_prompt_logprobs)
+
+    def start_generate(self) -> Pending[StepArrays]:
+        """Deferred until read, as the real engine's asynchronous dispatch: the orchestrator dispatches the next
+        call before it reads this one (and a held `gate` holds only the read)."""
+        live = dict(self._active)  # what the call computes: the samples in the slots now, not later ones
+        return Pending(lambda: self.generate(only=live))
+
     def prompt_logprobs(self, prefix: tuple[tuple[int, ...], bool]) -> PromptLogprobs | None:
         tokens, wanted = prefix
         if not wanted:
@@ -118,7 +144,7 @@ class FakeEngine(Engine):
         self.inserts.append((slot, params))
         return self._token_out(state)
 
-    def generate(self) -> StepArrays:
+    def generate(self, only: dict[int, _Slot] | None = None) -> StepArrays:
         if self.gate is not None:
             self.gate.wait(30)
         if self.delay_s:
@@ -126,6 +152,7 @@ class FakeEngine(Engine):
         if self.fail_generate:
             raise RuntimeError("fake generate failure")
         self.generate_calls += 1
+        self.log.append("generate")
         n, b = self.steps_per_call, self.slots
         out = StepArrays(
             ids=np.zeros((n, b), np.int32),
@@ -137,7 +164,7 @@ class FakeEngine(Engine):
         )
         for step in range(n):
             for slot, state in self._active.items():
-                if state.done:
+                if state.done or (only is not None and only.get(slot) is not state):
                     continue
                 tok = self._token_out(state)
                 out.ids[step, slot], out.logprobs[step, slot] = tok.token_id, tok.logprob

@@ -19,7 +19,7 @@ VOCAB = len(TABLE)
 
 
 def make(engine: FakeEngine, **kw) -> Orchestrator:
-    orch = Orchestrator(engine, TABLE, frozenset({EOS}), idle_wait_s=0.05, **kw)
+    orch = Orchestrator(engine, TABLE, frozenset({EOS}), **kw)
     orch.start()
     return orch
 
@@ -278,3 +278,84 @@ def test_engine_errors_fail_requests_and_serving_continues():
     finally:
         orch.close()
     assert samples(ok)[0][-1].finish is Finish.LENGTH
+
+
+def test_first_token_is_sent_before_the_first_decode_call_finishes():
+    """The first token is sampled at insert and sent at once, not after a full N-step decode call."""
+    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3])
+    engine.gate = threading.Event()  # holds every decode call's read-back
+    orch = make(engine)
+
+    async def main():
+        stream = orch.submit(job(max_tokens=9))
+        events = stream.events()
+        first = await asyncio.wait_for(events.__anext__(), 5)
+        calls_then = engine.generate_calls
+        engine.gate.set()
+        return first, calls_then, [e async for e in events]
+
+    try:
+        first, calls_then, rest = asyncio.run(main())
+    finally:
+        engine.gate.set()
+        orch.close()
+    assert [t.token_id for t in first.tokens] == [1] and first.timing is not None
+    assert calls_then == 0  # no decode call had finished when the first token arrived
+    assert first.timing.submitted <= first.timing.admitted <= first.timing.ready
+
+
+def test_one_event_per_sample_per_decode_call():
+    """A decode call of N steps gives each sample one event with its N tokens (one gRPC message), not N."""
+    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3], steps_per_call=4)
+    orch = make(engine)
+    try:
+        events = asyncio.run(collect(orch, job(n=2, max_tokens=9)))
+    finally:
+        orch.close()
+    for evs in samples(events).values():
+        assert [len(e.tokens) for e in evs] == [1, 4, 4]  # insert, then two calls of 4 steps
+        assert evs[-1].finish is Finish.LENGTH and evs[-1].completion_tokens == 9
+
+
+def test_one_decode_call_stays_in_flight():
+    """Call k+1 is dispatched before call k is read (host work overlaps the device)."""
+    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3], steps_per_call=2)
+    dispatched, read = [], []
+    start = engine.start_generate
+
+    def spy():
+        dispatched.append(len(read))  # how many calls had been read when this one was dispatched
+        pending = start()
+        return type(pending)(lambda: read.append(1) or pending.result())
+
+    engine.start_generate = spy
+    orch = make(engine)
+    try:
+        asyncio.run(collect(orch, job(max_tokens=11)))
+    finally:
+        orch.close()
+    assert len(dispatched) >= 5
+    assert dispatched[:3] == [0, 0, 1]  # the second call goes out before the first is read
+
+
+def test_a_long_prompt_is_prefilled_between_decode_calls():
+    """While a stream decodes, a prompt of 5 chunks is prefilled one chunk per decode call, not all at once."""
+    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3], steps_per_call=2, prefill_chunk=4)
+    orch = make(engine)
+
+    async def main():
+        running = orch.submit(job(prompt=(1, 2), max_tokens=40))
+        first = await running.events().__anext__()
+        engine.log.clear()
+        long = await collect(orch, job(prompt=tuple([1, 2, 3, 4] * 5), max_tokens=3))
+        rest = [e async for e in running.events()]
+        return first, long, rest
+
+    try:
+        _, long, _ = asyncio.run(main())
+    finally:
+        orch.close()
+    steps = [i for i, what in enumerate(engine.log) if what == "prefill"]
+    assert len(steps) == 5
+    assert all(engine.log[i + 1] == "generate" for i in steps[:-1])  # a decode call after every chunk
+    assert samples(long)[0][-1].finish is Finish.LENGTH
