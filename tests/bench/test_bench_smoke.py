@@ -1,0 +1,262 @@
+"""The benchmark's own machinery, quickly and without a model: the table and its verdicts, the Prometheus reader,
+the SSE client, process clean-up, and `python -m bench.run --quick` end to end against two fake OpenAI servers
+(a scripted "tpuserve" and a scripted "llama-server", streaming at known speeds), so every verdict is known
+in advance."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import socket
+import sys
+import threading
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench import clients, run, servers
+from bench.table import MISS, NOT_RUN, PASS, Target, count_row, judged, markdown
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ---- a scripted OpenAI streaming server ---------------------------------------------------------------------
+
+
+class Fake:
+    """Streams `max_tokens` one-token chunks: the first after `ttft_s`, then one per `token_s` (`lp_token_s` when
+    `logprobs` is asked). A prompt containing "Dear diary" stops after 3 tokens (EOS). Serves /health,
+    /v1/models, a tpuserve-style /metrics (its compile counter moves once, on the first logprobs request) and a
+    llama-style /slots."""
+
+    def __init__(self, ttft_s: float, token_s: float, lp_token_s: float) -> None:
+        self.ttft_s, self.token_s, self.lp_token_s = ttft_s, token_s, lp_token_s
+        self.in_flight = 0
+        self.compiles = 7
+        self.bodies: list[dict] = []
+
+    def app(self):
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+        from starlette.routing import Route
+
+        async def health(request):
+            return JSONResponse({"status": "ok"})
+
+        async def models(request):
+            return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+        async def metrics(request):
+            return PlainTextResponse(
+                "# TYPE tpuserve_backend_xla_compiles_total counter\n"
+                f"tpuserve_backend_xla_compiles_total {self.compiles}.0\n"
+                f"tpuserve_backend_active_slots {self.in_flight}.0\n"
+                "tpuserve_backend_queue_depth 0.0\n"
+            )
+
+        async def slots(request):
+            return JSONResponse([{"id": 0, "is_processing": self.in_flight > 0}])
+
+        async def generate(request):
+            body = await request.json()
+            self.bodies.append(body)
+            return StreamingResponse(self.events(body, request.url.path.endswith("chat/completions")),
+                                     media_type="text/event-stream")  # fmt: skip
+
+        return Starlette(routes=[
+            Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
+            Route("/slots", slots), Route("/v1/completions", generate, methods=["POST"]),
+            Route("/v1/chat/completions", generate, methods=["POST"]),
+        ])  # fmt: skip
+
+    async def events(self, body: dict, chat: bool):
+        self.in_flight += 1
+        try:
+            logprobs = body.get("logprobs") is not None
+            if logprobs and self.compiles == 7:
+                self.compiles += 1
+            prompt = json.dumps(body.get("prompt") or body.get("messages"))
+            n = 3 if "Dear diary" in prompt else body["max_tokens"]
+            await asyncio.sleep(self.ttft_s)
+            for i in range(n):
+                if i:
+                    await asyncio.sleep(self.lp_token_s if logprobs else self.token_s)
+                if chat:
+                    choice = {"index": 0, "delta": {"content": f" w{i}"}, "finish_reason": None}
+                else:
+                    choice = {"index": 0, "text": f" w{i}", "finish_reason": None}
+                    if logprobs:
+                        choice["logprobs"] = {"tokens": [f" w{i}"], "token_logprobs": [-1.0]}
+                yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+            end = {"index": 0, "finish_reason": "stop" if n < body["max_tokens"] else "length"}
+            end.update({"delta": {}} if chat else {"text": ""})
+            yield f"data: {json.dumps({'choices': [end]})}\n\n"
+            yield f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': n}})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            self.in_flight -= 1
+
+
+class Served:
+    """A Fake served by uvicorn on a free loopback port, in a background thread."""
+
+    def __init__(self, fake: Fake) -> None:
+        import uvicorn
+
+        self.fake = fake
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(fake.app(), log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "fake server did not start"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture
+def pair():
+    # "tpuserve": slow to its first token, fast per token, much slower with logprobs; "llama": the opposite.
+    tpu = Served(Fake(ttft_s=0.25, token_s=0.004, lp_token_s=0.04))
+    llama = Served(Fake(ttft_s=0.02, token_s=0.08, lp_token_s=0.08))
+    yield tpu, llama
+    tpu.close()
+    llama.close()
+
+
+# ---- tests ------------------------------------------------------------------------------------------------------
+
+
+def test_verdicts_and_table():
+    at_least_3 = Target(">=", 3.0)
+    assert judged("k", "a", "1", "b", 2.99, at_least_3).result == MISS
+    assert judged("k", "a", "1", "b", 3.0, at_least_3).result == PASS
+    assert judged("k", "a", "1", "b", None, at_least_3).result == NOT_RUN  # never PASS without a number
+    assert judged("k", "a", "1", "b", float("nan"), at_least_3).result == NOT_RUN
+    assert judged("k", "a", "1", "b", 0.9, Target("<=", 1.0)).result == PASS
+    stretched = judged("k", "a", "1", "b", 1.2, Target(">=", 1.0, stretch=1.5))
+    assert (stretched.result, stretched.note) == (PASS, "stretch missed")
+    assert count_row("c", "compiles", 2, "x").result == MISS
+    assert count_row("c", "compiles", 0, "x").result == PASS
+    assert count_row("c", "compiles", None, "x").result == NOT_RUN
+    rows = [judged("k", "a|b", "10 tok/s", "llama: 5 tok/s", 2.0, at_least_3, note="2 streams short")]
+    lines = markdown(rows).splitlines()
+    assert lines[0].startswith("| benchmark") and set(lines[1]) <= {"|", "-"}
+    cells = [c.strip() for c in lines[2].strip("|").split(" | ")]
+    assert cells == ["a\\|b [1]", "10 tok/s", "llama: 5 tok/s", "2.00×", "≥ 3×", "MISS"]
+    assert lines[-1] == "[1] 2 streams short"
+    assert len({len(x) for x in lines[:3]}) == 1  # padded columns
+
+
+def test_prometheus_sum():
+    text = (
+        "# HELP x_total things\n# TYPE x_total counter\n"
+        'x_total{code="OK"} 3.0\nx_total{code="BAD"} 2.0 1700000000000\nx_total_created 17.0\ny 4\n'
+    )
+    assert clients.prometheus_sum(text, "x_total") == 5.0
+    assert clients.prometheus_sum(text, "y") == 4.0
+    assert clients.prometheus_sum(text, "z") is None
+
+
+def test_sse_client_counts_and_times(pair):
+    tpu, _ = pair
+    body = {"model": "m", "prompt": "hello", "max_tokens": 5}
+    (r,) = asyncio.run(clients.sequential(tpu.url, [("/v1/completions", body)]))
+    assert (r.error, r.tokens, r.text_chunks, r.finish_reason, r.done) == (None, 5, 5, "length", True)
+    assert r.text == " w0 w1 w2 w3 w4"
+    assert 0.25 <= r.ttft < r.last_token - r.sent
+    assert tpu.fake.bodies[-1]["stream"] is True and tpu.fake.bodies[-1]["stream_options"] == {
+        "include_usage": True
+    }
+    chat = {"model": "m", "messages": [{"role": "user", "content": "Dear diary"}], "max_tokens": 9}
+    (c,) = asyncio.run(clients.sequential(tpu.url, [("/v1/chat/completions", chat)]))
+    assert (c.tokens, c.finish_reason, c.text) == (3, "stop", " w0 w1 w2")
+    (bad,) = asyncio.run(clients.sequential(tpu.url, [("/v1/nothing", body)]))
+    assert bad.error.startswith("HTTP 404") or bad.error.startswith("HTTP 405")
+
+
+def test_quick_run_against_fakes(pair, tmp_path, capsys):
+    tpu, llama = pair
+    out = tmp_path / "bench.json"
+    rc = run.main(["--quick", "--no-hf", "--only", "single,ttft,many,logprobs,ttft_load,compiles",
+                   "--tpuserve-url", tpu.url, "--tpuserve-metrics-url", tpu.url, "--llama-url", llama.url,
+                   "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    by_key: dict[str, list[dict]] = {}
+    for r in doc["rows"]:
+        by_key.setdefault(r["key"], []).append(r)
+    single = {r["name"].rsplit("vs ", 1)[-1]: r for r in by_key["single"]}
+    assert single["HF"]["result"] == NOT_RUN and single["HF"]["ratio"] is None
+    assert single["llama-server"]["result"] == PASS  # 16 tokens: 0.25 + 15 x 0.004 s vs 0.02 + 15 x 0.08 s
+    (many,) = by_key["many"]
+    assert many["result"] == PASS and many["ratio"] > 1.5
+    assert "ended early" in many["note"]  # the "Dear diary" stream stopped after 3 of 8 tokens
+    assert [r["result"] for r in by_key["ttft"]] == [MISS, MISS]  # 250 ms vs 20 ms
+    assert all(r["ratio"] > 5 for r in by_key["ttft"])
+    (load,) = by_key["ttft_load"]
+    assert load["result"] == MISS
+    (lp,) = by_key["logprobs"]
+    assert lp["result"] == MISS and lp["ratio"] > 1.5  # 250 + 7 x 40 ms vs 250 + 7 x 4 ms
+    (compiles,) = by_key["compiles"]
+    assert (compiles["measured"], compiles["result"]) == ("1", MISS)
+    assert doc["raw"]["compiles"] == {"before": 7.0, "after": 8.0}
+    # llama-server was asked with its ignore_eos extension, tpuserve with plain OpenAI fields, both seeded
+    assert all(b.get("ignore_eos") is True and "seed" in b for b in llama.fake.bodies)
+    assert all("ignore_eos" not in b and "seed" in b for b in tpu.fake.bodies)
+    table = capsys.readouterr().out
+    assert "| HTTP, 8 streams × 8 tokens" in table and table.count("| MISS") == 5
+
+
+def test_llama_rows_not_run_without_llama(pair, capsys):
+    tpu, _ = pair
+    rc = run.main(["--quick", "--no-hf", "--only", "many", "--tpuserve-url", tpu.url])
+    assert rc == 0
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if line.startswith("| HTTP, 8 streams"))
+    assert row.rstrip().endswith("| not run |") and "tok/s" in row
+
+
+def test_servers_are_stopped_on_exit(tmp_path):
+    """A server and the child it spawned are gone after the `Servers` block, also when it ends by an error."""
+    child_pid = tmp_path / "child.pid"
+    script = (
+        "import subprocess, sys, time; "
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(child_pid)!r}, 'w').write(str(c.pid)); time.sleep(60)"
+    )
+    server = servers.Server(
+        "sleeper", "http://127.0.0.1:9", [sys.executable, "-c", script], tmp_path / "s.log"
+    )
+    with pytest.raises(KeyboardInterrupt), servers.Servers() as pool:
+        pool.start(server)
+        deadline = time.monotonic() + 20
+        while not child_pid.exists() or not child_pid.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        raise KeyboardInterrupt
+    assert server.proc.poll() is not None
+    pid = int(child_pid.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in status  # a zombie has exited (its parent, gone, cannot reap it at once)
