@@ -11,11 +11,10 @@ from typing import TYPE_CHECKING
 from tpuserve.grpc_service.jobs import GenerationJob
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 from tpuserve.sampler.api import MAX_TOP_LOGPROBS, SlotParams
+from tpuserve.sampler.state import MAX_STOP_IDS, SEED_RANGE
 
 if TYPE_CHECKING:
     from tpuserve.model.tokenizer import Tokenizer
-
-SEED_MODULUS = 2**64
 
 
 class InvalidRequest(ValueError):
@@ -136,6 +135,22 @@ def _max_tokens(request: pb.GenerateRequest, prompt_len: int, limits: Limits) ->
     return m
 
 
+def stop_ids(
+    stopping: pb.StoppingCriteria, eos_ids: tuple[int, ...]
+) -> tuple[frozenset[int], tuple[int, ...]]:
+    """(the EOS ids that end a sample, every id the engine stops at). The request's stop ids and the model's EOS
+    ids (unless `ignore_eos`) share the engine's MAX_STOP_IDS places."""
+    eos = frozenset() if stopping.ignore_eos else frozenset(eos_ids)
+    ids = tuple(sorted(eos | set(stopping.stop_token_ids)))
+    if len(ids) > MAX_STOP_IDS:
+        with_eos = f", counting the model's end-of-sequence ids {sorted(eos)}" if eos else ""
+        raise InvalidRequest(
+            "stopping.stop_token_ids",
+            f"at most {MAX_STOP_IDS} distinct stop ids{with_eos}; this request has {len(ids)}",
+        )
+    return eos, ids
+
+
 def build_job(
     request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits, eos_ids: tuple[int, ...]
 ) -> GenerationJob:
@@ -151,14 +166,13 @@ def build_job(
     if any(not s for s in stopping.stop):
         raise InvalidRequest("stopping.stop", "stop strings must not be empty")
     check_token_ids(list(stopping.stop_token_ids), limits.vocab_size, "stopping.stop_token_ids")
+    eos, stops = stop_ids(stopping, eos_ids)
     ids = prompt_ids(request, tokenizer, limits)
     max_tokens = _max_tokens(request, len(ids), limits)
 
-    eos = frozenset() if stopping.ignore_eos else frozenset(eos_ids)
-    stop_ids = tuple(sorted(eos | set(stopping.stop_token_ids)))
-    seed = request.sampling.seed if request.sampling.HasField("seed") else secrets.randbits(63)
-    samples = tuple(
-        SlotParams(max_tokens=max_tokens, seed=(seed + i) % SEED_MODULUS, stop_ids=stop_ids, **sampling)
+    seed = request.sampling.seed if request.sampling.HasField("seed") else secrets.randbelow(SEED_RANGE)
+    samples = tuple(  # sample i's seed is seed + i, wrapping within the engine's 64-bit seeds
+        SlotParams(max_tokens=max_tokens, seed=(seed + i) % SEED_RANGE, stop_ids=stops, **sampling)
         for i in range(n)
     )
     return GenerationJob(

@@ -2,12 +2,13 @@
 
 EOS (or another special token) that ended a sample is neither in `content`, nor in `logprobs.content`, nor
 counted in `completion_tokens`, as OpenAI does; the backend sends it as the sample's last token and counts it.
+`ShownTokens` holds that rule for both the JSON and the SSE answer.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from tpuserve.http_gateway import observability, proto_mapping
 from tpuserve.http_gateway.backends import BackendPool, GenerateStream
@@ -22,7 +23,7 @@ from tpuserve.http_gateway.response_models import (
     Delta,
     Usage,
 )
-from tpuserve.http_gateway.samples import collect, ends_with_stop_token, finish_reason, messages
+from tpuserve.http_gateway.samples import collect, finish_reason, messages
 from tpuserve.http_gateway.sse import sse_stream
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 
@@ -43,11 +44,42 @@ def to_proto(req: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
     )
 
 
-def _visible(tokens: list[pb.Token], final: pb.GenerateResponse | None) -> tuple[list[pb.Token], int]:
-    """The tokens shown in content, and how many (0 or 1) ending special tokens were dropped."""
-    if final is not None and ends_with_stop_token(tokens, final):
-        return tokens[:-1], 1
-    return tokens, 0
+class ShownTokens:
+    """One sample's tokens as chat shows them, fed message by message (or all at once with the final message).
+
+    A trailing special token waits for the sample's next message: it may be the EOS (or stop token) that ends
+    the sample, which is dropped from the entries and from `completion_tokens`.
+    """
+
+    def __init__(self) -> None:
+        self._held: list[pb.Token] = []
+        self._dropped = 0
+
+    def feed(self, tokens: Sequence[pb.Token], final: pb.GenerateResponse | None) -> list[pb.Token]:
+        """The tokens to show now; `final` is the sample's finishing message when `tokens` end the sample."""
+        shown = self._held + list(tokens)
+        self._held = []
+        if final is None:
+            if shown and shown[-1].special:
+                self._held = [shown.pop()]
+        elif _ends_with_stop_token(shown, final):
+            shown.pop()
+            self._dropped = 1
+        return shown
+
+    def completion_tokens(self, final: pb.GenerateResponse) -> int:
+        """The sample's `completion_tokens`: the backend's count less the dropped EOS."""
+        return final.completion_tokens_count - self._dropped
+
+
+def _ends_with_stop_token(tokens: list[pb.Token], final: pb.GenerateResponse) -> bool:
+    """True when the last token is the special token (EOS or a stop token id) that ended the sample."""
+    return (
+        bool(tokens)
+        and tokens[-1].special
+        and final.finish_reason in (pb.FINISH_REASON_EOS, pb.FINISH_REASON_STOP)
+        and not final.stop_reason
+    )
 
 
 async def create(pool: BackendPool, req: ChatCompletionRequest) -> ChatCompletion | AsyncIterator[str]:
@@ -65,8 +97,9 @@ async def _complete(stream: GenerateStream, req: ChatCompletionRequest, request_
     for i in sorted(gen.samples):
         s = gen.samples[i]
         assert s.final is not None
-        tokens, dropped = _visible(s.tokens, s.final)
-        completion_tokens += s.final.completion_tokens_count - dropped
+        shown = ShownTokens()
+        tokens = shown.feed(s.tokens, s.final)
+        completion_tokens += shown.completion_tokens(s.final)
         choices.append(
             ChatChoice(
                 index=i,
@@ -106,13 +139,10 @@ async def _chunks(stream: GenerateStream, req: ChatCompletionRequest, request_id
             ]
         )
     prompt_tokens = completion_tokens = 0
-    # A trailing special token waits for the sample's next message: it may be the EOS that ends the sample.
-    held: dict[int, list[pb.Token]] = {}
+    shown: dict[int, ShownTokens] = {}
     async for msg in messages(stream):
-        tokens = held.pop(msg.index, []) + list(msg.tokens)
-        if not msg.finished and tokens and tokens[-1].special:
-            held[msg.index] = [tokens.pop()]
-        tokens, dropped = _visible(tokens, msg if msg.finished else None)
+        sample = shown.setdefault(msg.index, ShownTokens())
+        tokens = sample.feed(msg.tokens, msg if msg.finished else None)
         if msg.text or tokens:
             logprobs = chat_logprobs(tokens, req.top_logprobs or 0) if req.logprobs else None
             yield chunk(
@@ -124,7 +154,7 @@ async def _chunks(stream: GenerateStream, req: ChatCompletionRequest, request_id
             )
         if msg.finished:
             prompt_tokens = max(prompt_tokens, msg.prompt_tokens_count)
-            completion_tokens += msg.completion_tokens_count - dropped
+            completion_tokens += sample.completion_tokens(msg)
             yield chunk(
                 [
                     ChatChunkChoice(

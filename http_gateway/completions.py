@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from tpuserve.http_gateway import observability, proto_mapping
 from tpuserve.http_gateway.backends import BackendPool, GenerateStream
-from tpuserve.http_gateway.logprobs import CompletionLogprobs, finite, prompt_text_bytes
+from tpuserve.http_gateway.logprobs import CompletionLogprobs, finite
 from tpuserve.http_gateway.request_models import CompletionRequest
 from tpuserve.http_gateway.response_models import Completion, CompletionChoice, Usage
 from tpuserve.http_gateway.samples import collect, finish_reason, messages
@@ -65,7 +65,7 @@ async def create(pool: BackendPool, req: CompletionRequest) -> Completion | Asyn
     request_id = observability.new_request_id("cmpl")
     prompts = req.prompts()
     streams = await _start_all(pool, req, prompts, request_id)
-    jobs = [PromptJob(i, p, s) for i, (p, s) in enumerate(zip(prompts, streams))]
+    jobs = [PromptJob(i, p, s) for i, (p, s) in enumerate(zip(prompts, streams, strict=True))]
     try:
         await _prompt_texts(pool, req, jobs)
     except BaseException:
@@ -115,13 +115,9 @@ def _new_logprobs(
     req: CompletionRequest, job: PromptJob, prompt_tokens: list[pb.Token]
 ) -> CompletionLogprobs:
     """A choice's logprobs, with the echoed prompt's entries already in."""
-    text = job.text or ""
-    lp = CompletionLogprobs(req.logprobs or 0, 0 if req.echo else len(text))
-    if req.echo:
-        raw = job.prompt if isinstance(job.prompt, str) else None
-        for token, data in zip(prompt_tokens, prompt_text_bytes(prompt_tokens, raw)):
-            lp.add(token, data)
-        lp.chars = len(text)
+    lp = CompletionLogprobs(req.logprobs or 0)
+    raw = job.prompt if isinstance(job.prompt, str) else None
+    lp.prompt(job.text or "", prompt_tokens if req.echo else None, raw)
     return lp
 
 
@@ -140,7 +136,7 @@ async def _complete(jobs: list[PromptJob], req: CompletionRequest, request_id: s
     gens = await asyncio.gather(*(collect(job.stream, req.best_of or n) for job in jobs))
     choices: list[CompletionChoice] = []
     prompt_tokens = completion_tokens = 0
-    for job, gen in zip(jobs, gens):
+    for job, gen in zip(jobs, gens, strict=True):
         prompt_tokens += gen.prompt_tokens_count
         samples = [gen.samples[i] for i in sorted(gen.samples)]
         completion_tokens += sum(s.final.completion_tokens_count for s in samples if s.final is not None)

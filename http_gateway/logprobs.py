@@ -71,16 +71,25 @@ class CompletionLogprobs:
 
     `text_offset` counts characters of the returned text. It advances by the characters that each token's
     bytes begin (UTF-8 lead bytes); a token whose first byte continues a character split across tokens gets
-    that character's offset.
+    that character's offset. Call `prompt` before adding the generated tokens: it sets where they start.
     """
 
-    def __init__(self, k: int, start_chars: int) -> None:
+    def __init__(self, k: int) -> None:
         self.k = k
-        self.chars = start_chars
+        self.chars = 0
         self.tokens: list[str] = []
         self.token_logprobs: list[float | None] = []
         self.top_logprobs: list[dict[str, float] | None] | None = [] if k > 0 else None
         self.text_offset: list[int] = []
+
+    def prompt(self, text: str, echoed: list[pb.Token] | None, raw: str | None) -> None:
+        """The prompt's part: with `echo`, its `echoed` tokens take offsets from 0 (`raw`: the prompt as the
+        request gave it as text, None for token ids; see `prompt_text_bytes`). Echoed or not, the generated
+        tokens start at len(text), the prompt's characters (without echo, OpenAI's observed behaviour)."""
+        if echoed is not None:
+            for token, data in zip(echoed, prompt_text_bytes(echoed, raw), strict=True):
+                self.add(token, data)
+        self.chars = len(text)
 
     def add(self, token: pb.Token, text_bytes: bytes | None = None) -> None:
         """Append one token; `text_bytes` are the bytes it adds to the text (default: its raw bytes)."""

@@ -5,6 +5,13 @@ from __future__ import annotations
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
+UINT64_RANGE = 2**64  # the proto's `uint64 seed`
+
+
+def proto_seed(seed: int) -> int:
+    """The spec's int64 seed as the proto's uint64: two's complement, a bijection of -2**63..2**63-1 onto
+    0..2**64-1 (-1 -> 2**64-1). The one place a request's seed is folded; the backend uses all 64 bits."""
+    return seed % UINT64_RANGE
 
 
 def sampling(temperature: float | None, top_p: float | None, seed: int | None) -> pb.SamplingParams:
@@ -12,7 +19,7 @@ def sampling(temperature: float | None, top_p: float | None, seed: int | None) -
     if top_p is not None:
         params.top_p = top_p
     if seed is not None:
-        params.seed = seed % 2**64  # the spec's int64 seed as the proto's uint64, bijectively
+        params.seed = proto_seed(seed)
     return params
 
 

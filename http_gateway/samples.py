@@ -44,16 +44,6 @@ def check_message(msg: pb.GenerateResponse) -> pb.GenerateResponse:
     return msg
 
 
-def ends_with_stop_token(tokens: list[pb.Token], final: pb.GenerateResponse) -> bool:
-    """True when the last token is the special token (EOS or a stop token id) that ended the sample."""
-    return (
-        bool(tokens)
-        and tokens[-1].special
-        and final.finish_reason in (pb.FINISH_REASON_EOS, pb.FINISH_REASON_STOP)
-        and not final.stop_reason
-    )
-
-
 @dataclass
 class Sample:
     """Everything one sample produced."""

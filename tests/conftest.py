@@ -9,15 +9,23 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pathlib  # noqa: E402
+import pathlib
 
-import pytest  # noqa: E402
+import pytest
+
+from tests.helpers import require_extra
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
 # The engine every real-model test shares (64 slots: batch invariance is checked next to 63 other requests).
-ENGINE_SETTINGS = dict(slots=64, max_seq_len=256, steps_per_call=8, min_prefill_bucket=32, min_attend_bucket=128)
+ENGINE_SETTINGS = {
+    "slots": 64,
+    "max_seq_len": 256,
+    "steps_per_call": 8,
+    "min_prefill_bucket": 32,
+    "min_attend_bucket": 128,
+}
 
 
 @pytest.fixture(scope="session")
@@ -39,8 +47,8 @@ def engine(embedded):
 @pytest.fixture(scope="session")
 def hf_reference():
     """transformers + PyTorch on the same GGUF (test-only dependency): (model, tokenizer)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = require_extra("torch")
+    import transformers
     from tpuserve.model.embedded import default_model_path
 
     path = default_model_path()

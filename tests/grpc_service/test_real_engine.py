@@ -4,14 +4,14 @@ with a seed, the context limit, and cancellation freeing every slot. Few tokens 
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import numpy as np
 import pytest
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
+from tpuserve.sampler.state import MAX_STOP_IDS
 
 from tests.grpc_service.conftest import generate
+from tests.helpers import wait_until
 
 
 def chat(text: str) -> pb.ChatMessages:
@@ -47,13 +47,6 @@ def is_utf8(b: bytes) -> bool:
         return True
     except UnicodeDecodeError:
         return False
-
-
-def wait_until(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def test_chat_streams_paris_and_ends_with_im_end(real_backend):
@@ -154,6 +147,24 @@ def test_prompt_plus_max_tokens_over_the_context_is_invalid(real_backend, embedd
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_more_stop_ids_than_the_engine_holds_are_invalid_not_internal(real_backend, embedded):
+    """The request's stop ids and the model's EOS ids share MAX_STOP_IDS places: one more is INVALID_ARGUMENT
+    naming the field (it reached the engine, an INTERNAL error, before); as many as fit still serve."""
+    eos = set(embedded.tokenizer.eos_ids)
+    ids = [i for i in range(100, 200) if i not in eos]
+    fit = ids[: MAX_STOP_IDS - len(eos)]
+    with pytest.raises(grpc.RpcError) as err:
+        generate(
+            real_backend.stub, text="Hi", stopping=pb.StoppingCriteria(stop_token_ids=[*fit, ids[len(fit)]])
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("stopping.stop_token_ids: "), err.value.details()
+    tokens, _, last = samples(
+        generate(real_backend.stub, text="Hi", stopping=pb.StoppingCriteria(max_tokens=2, stop_token_ids=fit))
+    )[0]
+    assert last.finished and 1 <= len(tokens) <= 2
+
+
 def test_cancelled_streams_free_their_slots(real_backend, engine):
     request = pb.GenerateRequest(
         text="Tell me a very long story.",
@@ -166,7 +177,9 @@ def test_cancelled_streams_free_their_slots(real_backend, engine):
     assert real_backend.orchestrator.free_slots <= engine.slots - 6
     for call in calls:
         call.cancel()
-    wait_until(lambda: real_backend.orchestrator.free_slots == engine.slots and not engine._active.any())
+    assert wait_until(
+        lambda: real_backend.orchestrator.free_slots == engine.slots and not engine.occupied_slots, timeout=60
+    ), "cancelled streams still hold slots"
     tokens, _, last = samples(generate(real_backend.stub, text="after", **greedy(3)))[0]
     assert last.finish_reason == pb.FINISH_REASON_LENGTH and len(tokens) == 3
 

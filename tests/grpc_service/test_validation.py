@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from tpuserve.grpc_service.validation import InvalidRequest, stop_ids
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
+from tpuserve.sampler.state import MAX_STOP_IDS
 
 from tests.grpc_service.conftest import generate
 
@@ -49,6 +51,10 @@ CASES = {
         {"stopping": pb.StoppingCriteria(stop_token_ids=[10**6])},
         "stopping.stop_token_ids",
     ),
+    "more stop ids than the engine holds": (
+        {"stopping": pb.StoppingCriteria(stop_token_ids=range(100, 101 + MAX_STOP_IDS))},
+        "stopping.stop_token_ids",
+    ),
 }
 
 
@@ -86,3 +92,36 @@ def test_absent_max_tokens_fills_the_context(served):
     before = len(served.engine.inserts)
     generate(served.stub, token_ids=pb.TokenIds(ids=[5] * 250), stopping=pb.StoppingCriteria(ignore_eos=True))
     assert served.engine.inserts[before][1].max_tokens == S - 250
+
+
+def test_stop_ids_share_the_engines_places_with_the_eos_ids():
+    eos = (2, 0)
+    room = list(range(100, 100 + MAX_STOP_IDS - len(eos)))
+    assert stop_ids(pb.StoppingCriteria(stop_token_ids=room), eos) == (
+        frozenset(eos),
+        tuple(sorted([*eos, *room])),
+    )
+    # an EOS id or a repeated id in the request takes no second place
+    assert len(stop_ids(pb.StoppingCriteria(stop_token_ids=[*room, 2, room[0]]), eos)[1]) == MAX_STOP_IDS
+    with pytest.raises(InvalidRequest) as info:
+        stop_ids(pb.StoppingCriteria(stop_token_ids=[*room, 99]), eos)
+    assert info.value.field == "stopping.stop_token_ids"
+    assert f"at most {MAX_STOP_IDS}" in str(info.value) and "[0, 2]" in str(info.value)
+    # without the EOS ids (ignore_eos) the request has every place
+    every = list(range(100, 100 + MAX_STOP_IDS))
+    assert stop_ids(pb.StoppingCriteria(stop_token_ids=every, ignore_eos=True), eos) == (
+        frozenset(),
+        tuple(every),
+    )
+
+
+def test_sample_seeds_are_seed_plus_i_within_64_bits(served):
+    before = len(served.engine.inserts)
+    generate(
+        served.stub,
+        text="hello",
+        n=2,
+        sampling=pb.SamplingParams(seed=2**64 - 1),
+        stopping=pb.StoppingCriteria(max_tokens=1),
+    )
+    assert sorted(p.seed for _, p in served.engine.inserts[before:]) == [0, 2**64 - 1]

@@ -13,19 +13,19 @@ What a sample generates is scripted by the prompt (the last chat message, or the
 Logprobs are hand-computable: sample s, token j: `logprob(j, s) = -(0.1 * (j % 5 + 1)) / (s + 1)` (later
 samples are "better", for best_of); alternatives (`alternatives`) put the sampled token first, except at
 j % 4 == 3 where two tokens rank above it; one alternative is always -inf, one is the EOS, one a partial byte.
-Text is released like the real backend's detokenizer: at token boundaries, complete characters only, stop
-string prefixes held back, the stop string cut (tokens that began before it are kept).
+Text is released by the real backend's detokenizer (`IncrementalDetokenizer`): at token boundaries, complete
+characters only, stop string prefixes held back, the stop string cut (tokens that began before it are kept).
 """
 
 from __future__ import annotations
 
 import asyncio
-import codecs
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from tpuserve.grpc_service.detokenize import Delta, IncrementalDetokenizer
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2_grpc as pb_grpc
 
@@ -73,6 +73,9 @@ def token_bytes(tid: int) -> bytes:
     if tid < BYTE_BASE:
         return WORDS[tid - WORD_BASE].encode()
     return bytes([tid - BYTE_BASE])
+
+
+TOKEN_BYTES = [token_bytes(i) for i in range(VOCAB_SIZE)]
 
 
 def is_special(tid: int) -> bool:
@@ -165,6 +168,12 @@ class Script:
     fail_mid: bool = False
     end_with: int = 0  # a FinishReason that ends every sample after its first token
 
+    def token(self, j: int) -> int:
+        """The sample's token j: the script's ids, then EOS (a loop repeats them)."""
+        if self.loop:
+            return self.ids[j % len(self.ids)]
+        return self.ids[j] if j < len(self.ids) else EOS
+
 
 def script_for(text: str) -> Script:
     slow = "slow:" in text
@@ -187,56 +196,41 @@ def script_for(text: str) -> Script:
     return Script(encode(DEFAULT_REPLY, False), slow=slow, fail_mid="failmid:" in text)
 
 
-@dataclass
-class SampleState:
-    """One sample's detokenization, mirroring the real backend's release rules."""
+def detokenizer(stopping: pb.StoppingCriteria) -> IncrementalDetokenizer[pb.Token]:
+    """One sample's text, released by the backend's own detokenizer (grpc_service/detokenize.py): the gateway's
+    stop-string and partial-character tests test those rules, not a copy of them."""
+    return IncrementalDetokenizer(TOKEN_BYTES, range(WORD_BASE), stopping.stop, stopping.include_stop_str)
 
-    stops: list[str]
-    pending: list[pb.Token] = field(default_factory=list)
-    data: bytes = b""
-    starts: list[int] = field(default_factory=list)  # byte start of each pending token
-    released_chars: int = 0
-    released_tokens: int = 0
 
-    def text(self) -> tuple[str, bool]:
-        dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        text = dec.decode(self.data)
-        return text, not dec.getstate()[0]
-
-    def add(self, tok: pb.Token) -> tuple[list[pb.Token], str, str | None]:
-        """Returns (tokens released, text released, matched stop)."""
-        self.starts.append(len(self.data))
-        self.pending.append(tok)
-        if not tok.special:
-            self.data += tok.token_bytes
-        text, complete = self.text()
-        hits = [(text.find(s, self.released_chars), s) for s in self.stops if s]
-        hits = [h for h in hits if h[0] >= 0]
-        if hits:
-            at, stop = min(hits)
-            cut = len(text[:at].encode())
-            kept = [t for t, b in zip(self.pending, self.starts) if b < cut]
-            return self._release(kept, text[self.released_chars : at]) + (stop,)
-        if not complete:
-            return [], "", None
-        safe = len(text)
-        for i in range(self.released_chars, len(text)):
-            if any(s.startswith(text[i:]) for s in self.stops if s):
-                safe = i
-                break
-        if safe < len(text):
-            return [], "", None
-        return self._release(list(self.pending), text[self.released_chars :]) + (None,)
-
-    def flush(self) -> tuple[list[pb.Token], str]:
-        text, _ = self.text()  # complete characters only: a cut multi-byte character stays undecoded
-        return self._release(list(self.pending), text[self.released_chars :])
-
-    def _release(self, tokens: list[pb.Token], text: str) -> tuple[list[pb.Token], str]:
-        self.pending, self.starts = [], []
-        self.released_chars += len(text)
-        self.released_tokens += len(tokens)
-        return tokens, text
+def _message(
+    request: pb.GenerateRequest,
+    script: Script,
+    detok: IncrementalDetokenizer[pb.Token],
+    j: int,
+    s: int,
+    max_tokens: int,
+) -> pb.GenerateResponse:
+    """Sample `s` at its token `j`: what the detokenizer releases, and the finish reason when the sample ends."""
+    msg = pb.GenerateResponse(request_id=request.request_id, index=s)
+    if j >= max_tokens:
+        delta, msg.finish_reason = detok.flush(), pb.FINISH_REASON_LENGTH
+    elif script.end_with and j == 1:
+        delta, msg.finish_reason = Delta(), script.end_with
+        msg.error_message = "engine failed" if script.end_with == pb.FINISH_REASON_ERROR else ""
+    else:
+        tid = script.token(j)
+        delta = detok.add(tid, make_token(tid, j, logprob(j, s), j, request.logprobs))
+        eos = tid == EOS and script.eos
+        if delta.stop is not None:
+            msg.finish_reason, msg.stop_reason = pb.FINISH_REASON_STOP, delta.stop
+        elif eos or j + 1 >= max_tokens:
+            rest = detok.flush()
+            delta = Delta(delta.items + rest.items, delta.text + rest.text)
+            msg.finish_reason = pb.FINISH_REASON_EOS if eos else pb.FINISH_REASON_LENGTH
+    msg.tokens.extend(delta.items)
+    msg.text = delta.text
+    msg.finished = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    return msg
 
 
 class ScriptedServicer(pb_grpc.TextGenerationServicer):
@@ -294,46 +288,18 @@ class ScriptedServicer(pb_grpc.TextGenerationServicer):
         max_tokens: int,
         prompt_len: int,
     ):
-        states = [SampleState(list(request.stopping.stop)) for _ in range(n)]
+        detoks = [detokenizer(request.stopping) for _ in range(n)]
         live = set(range(n))
         j = 0
         sent = 0
         while live:
             for s in sorted(live):
-                st = states[s]
-                msg = pb.GenerateResponse(request_id=request.request_id, index=s)
-                if j >= max_tokens:
-                    toks, text = st.flush()
-                    msg.finish_reason = pb.FINISH_REASON_LENGTH
-                elif script.end_with and j == 1:
-                    toks, text = [], ""
-                    msg.finish_reason = script.end_with
-                    msg.error_message = "engine failed" if script.end_with == pb.FINISH_REASON_ERROR else ""
-                else:
-                    if script.loop:
-                        tid = script.ids[j % len(script.ids)]
-                    else:
-                        tid = script.ids[j] if j < len(script.ids) else EOS
-                    tok = make_token(tid, j, logprob(j, s), j, request.logprobs)
-                    toks, text, stop = st.add(tok)
-                    if stop is not None:
-                        msg.finish_reason, msg.stop_reason = pb.FINISH_REASON_STOP, stop
-                    elif tid == EOS and script.eos:
-                        more, rest = st.flush()
-                        toks, text = toks + more, text + rest
-                        msg.finish_reason = pb.FINISH_REASON_EOS
-                    elif j + 1 >= max_tokens:
-                        more, rest = st.flush()
-                        toks, text = toks + more, text + rest
-                        msg.finish_reason = pb.FINISH_REASON_LENGTH
-                msg.tokens.extend(toks)
-                msg.text = text
-                if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    msg.finished = True
+                msg = _message(request, script, detoks[s], j, s, max_tokens)
+                if msg.finished:
                     msg.prompt_tokens_count = prompt_len
-                    msg.completion_tokens_count = st.released_tokens
+                    msg.completion_tokens_count = detoks[s].released_tokens
                     live.discard(s)
-                elif not (toks or text):
+                elif not (msg.tokens or msg.text):
                     continue
                 if script.fail_mid and sent == 1:
                     await context.abort(grpc.StatusCode.INTERNAL, "engine failed mid-stream")

@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -23,6 +22,8 @@ import httpx
 import pytest
 from gateway_harness import GatewayServer, sse_events
 from scripted_backend import MODEL_ID
+
+from tests.helpers import free_port, wait_until
 
 HERE = Path(__file__).resolve().parent
 CHAT = "/v1/chat/completions"
@@ -52,12 +53,6 @@ async def main():
 
 asyncio.run(main())
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class BackendProcess:
@@ -158,15 +153,6 @@ def assert_ends_with_error_event(events: list[str]) -> dict:
     payloads = [json.loads(e) for e in events[:-1]]
     assert len(payloads) >= 2 and all("error" not in p for p in payloads[:-1])
     return assert_openai_error(payloads[-1])
-
-
-def wait_until(pred, timeout: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
 
 
 def serves(http: httpx.Client) -> bool:
@@ -346,7 +332,7 @@ def start_gateway_process(
 ) -> subprocess.Popen:
     """`tpuserve gateway` on 127.0.0.1:`port` (plus `args`), once its /health answers `health` (over HTTPS,
     checked against `ca_file`, when that is given)."""
-    cmd = [sys.executable, "-m", "tpuserve.http_gateway.cli", "gateway", "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "tpuserve.cli", "gateway", "--host", "127.0.0.1",
            "--port", str(port), "--log-level", "warning", *args]  # fmt: skip
     for b in backends:
         cmd += ["--backend", b]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,9 +14,11 @@ import pytest
 from gateway_checks import check_spec, post, strict_json
 from gateway_harness import GatewayServer, sse_events
 from scripted_backend import CREATED, MODEL_ID, ScriptedBackend, encode
+from tpuserve.cli.gateway import parse_args
 from tpuserve.http_gateway.observability import Limits
-from tpuserve.http_gateway.serve import parse_args
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
+
+from tests.helpers import free_port
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -262,7 +263,7 @@ def test_request_timeout_is_the_backend_calls_deadline(scripted) -> None:
 def test_parse_args_reads_repeated_backends_and_the_key_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("TPUSERVE_API_KEY", "from-env")
     args = parse_args(["gateway", "--backend", "a:1", "--backend", "b:2", "--port", "9000"])
-    assert args.backend == ["a:1", "b:2"] and args.port == 9000 and args.api_key == "from-env"
+    assert args.backend == ("a:1", "b:2") and args.port == 9000 and args.api_key == "from-env"
     assert parse_args(["--backend", "a:1", "--api-key", "flag"]).api_key == "flag"
     monkeypatch.delenv("TPUSERVE_API_KEY")
     assert parse_args(["--backend", "a:1"]).api_key is None
@@ -276,7 +277,7 @@ def test_parse_args_config_sections(tmp_path) -> None:
     assert parse_args(["--config", str(path), "--backend", "a:1"]).max_n == 16
     path.write_text("max_n: 5\nbackend: [b:2]\n")
     args = parse_args(["--config", str(path)])
-    assert args.max_n == 5 and args.backend == ["b:2"]
+    assert args.max_n == 5 and args.backend == ("b:2",)
     path.write_text("server:\n  port: 1\n")
     assert parse_args(["--config", str(path), "--backend", "a:1"]).port == 8000
     for bad in ("gateway:\n  max_m: 5\n", "gateway: [1]\n"):
@@ -286,9 +287,7 @@ def test_parse_args_config_sections(tmp_path) -> None:
 
 
 def test_gateway_entry_point_serves(scripted) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "TPUSERVE_API_KEY": "k1"}
     proc = subprocess.Popen(
         [

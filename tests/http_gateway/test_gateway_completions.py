@@ -68,7 +68,9 @@ def test_logprobs_k_gives_top_k_plus_the_sampled_token(scripted_gateway, streame
     lp = c["logprobs"]
     check_lists(lp)
     assert lp["tokens"][:-1] == ["Hello", "!", " How", " can", " I", " assist", " you", " today", "?"]
-    for j, (tok, tlp, top) in enumerate(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])):
+    for j, (tok, tlp, top) in enumerate(
+        zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True)
+    ):
         assert tlp == pytest.approx(logprob(j, 0))
         assert top[tok] == tlp
         assert len(top) <= k + 1
@@ -298,7 +300,7 @@ def test_streamed_completion_matches_the_non_streamed_one(gateway) -> None:
     req = body(gateway, "say:Hi 😀 there", logprobs=2, echo=True, seed=3, temperature=0, max_tokens=8)
     full, usage = run(gateway, req, False)
     streamed, s_usage = run(gateway, req, True)
-    for a, b in zip(full, streamed):
+    for a, b in zip(full, streamed, strict=True):
         assert (
             a["text"] == b["text"]
             and a["logprobs"] == b["logprobs"]

@@ -92,6 +92,10 @@ def test_missing_required_fields_are_400(gateway, path) -> None:
         (CHAT, {"not_a_field": 1}),
         (COMPLETIONS, {"not_a_field": 1}),
         (COMPLETIONS, {"top_logprobs": 2}),
+        # vLLM's extension: not a field here, so more stop ids than the engine holds (MAX_STOP_IDS) cannot come
+        # over HTTP; over gRPC they are INVALID_ARGUMENT (grpc_service/test_validation.py, test_real_engine.py)
+        (CHAT, {"stop_token_ids": list(range(9))}),
+        (COMPLETIONS, {"stop_token_ids": list(range(9))}),
     ],
 )
 def test_unknown_or_unimplemented_fields_are_400_naming_the_field(gateway, path, field) -> None:

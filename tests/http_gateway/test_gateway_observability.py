@@ -16,10 +16,10 @@ import pytest
 import uvicorn
 from gateway_harness import GatewayServer
 from prometheus_client.parser import text_string_to_metric_families
+from tpuserve.cli.gateway import parse_args
+from tpuserve.cli.jsonlog import JSONFormatter
 from tpuserve.http_gateway.app import create_app
 from tpuserve.http_gateway.observability import Limits
-from tpuserve.http_gateway.serve import limits_of, parse_args
-from tpuserve.proto.jsonlog import JSONFormatter
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 SECRET = "zebras are my secret"
@@ -76,7 +76,9 @@ class AppServer(GatewayServer):
 @pytest.fixture(scope="module")
 def limited(scripted) -> Iterator[tuple[httpx.Client, str]]:
     server = AppServer(
-        [scripted.address], limits=Limits(max_body_bytes=2000, max_concurrent_requests=2, max_n=4), log_prompts=True
+        [scripted.address],
+        limits=Limits(max_body_bytes=2000, max_concurrent_requests=2, max_n=4),
+        log_prompts=True,
     ).start()
     with httpx.Client(base_url=server.url, timeout=30) as http:
         yield http, scripted.servicer.model_id
@@ -103,7 +105,10 @@ def test_metrics_move_after_a_streamed_and_a_plain_request(scripted_gateway) -> 
     with http.stream("POST", CHAT, json=chat(model, "say:one two three four", stream=True)) as r:
         assert r.status_code == 200
         r.read()
-    assert http.post(COMPLETIONS, json={"model": model, "prompt": "say:hi there", "max_tokens": 5}).status_code == 200
+    assert (
+        http.post(COMPLETIONS, json={"model": model, "prompt": "say:hi there", "max_tokens": 5}).status_code
+        == 200
+    )
     assert http.post(CHAT, json=chat(model, "x", n=1000)).status_code == 400
     key400 = 'tpuserve_gateway_requests_total{endpoint="/v1/chat/completions",status="400"}'
     deadline = time.monotonic() + 5  # counted when the request ends, which the client may see first
@@ -228,7 +233,9 @@ def test_concurrent_requests_over_the_limit_get_429_with_retry_after(limited) ->
         assert "max_concurrent_requests = 2" in err["message"] and err["type"] == "rate_limit_error"
         assert http.get("/health").status_code == 200  # outside /v1: not limited
     deadline = time.monotonic() + 10  # the abandoned streams end (their calls are cancelled)
-    while (r := http.post(CHAT, json=chat(model, "say:hi"))).status_code == 429 and time.monotonic() < deadline:
+    while (
+        r := http.post(CHAT, json=chat(model, "say:hi"))
+    ).status_code == 429 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert r.status_code == 200
 
@@ -241,13 +248,19 @@ def test_backend_resource_exhausted_is_429_with_retry_after(scripted_gateway, st
     assert r.headers["retry-after"] == "1" and err["message"] == "the queue is full"
 
 
-def test_gateway_config_yaml_and_flags(tmp_path) -> None:
+def test_gateway_config_yaml_and_flags(tmp_path, capsys) -> None:
     cfg = tmp_path / "gw.yaml"
-    cfg.write_text("gateway:\n  backend: [127.0.0.1:1]\n  max_n: 8\n  max_body_bytes: 1000\n  log_prompts: true\n")
+    cfg.write_text(
+        "gateway:\n  backend: [127.0.0.1:1]\n  max_n: 8\n  max_body_bytes: 1000\n  log_prompts: true\n"
+    )
     args = parse_args(["--config", str(cfg), "--max-n", "3", "--port", "9001"])
-    assert args.backend == ["127.0.0.1:1"] and args.port == 9001 and args.log_prompts is True
-    assert limits_of(args) == Limits(max_body_bytes=1000, max_concurrent_requests=256, max_n=3)
-    assert limits_of(parse_args(["--backend", "h:1"])) == Limits()
+    assert args.backend == ("127.0.0.1:1",) and args.port == 9001 and args.log_prompts is True
+    assert args.limits() == Limits(max_body_bytes=1000, max_concurrent_requests=256, max_n=3)
+    assert parse_args(["--backend", "h:1"]).limits() == Limits()
     cfg.write_text("max_bodybytes: 3\nbackend: h:1\n")
     with pytest.raises(SystemExit):
         parse_args(["--config", str(cfg)])
+    cfg.write_text("gateway:\n  backend: h:1\n  max_n: eight\n")  # a value of the wrong type is named
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(cfg)])
+    assert "`gateway.max_n` must be an integer, not 'eight'" in capsys.readouterr().err

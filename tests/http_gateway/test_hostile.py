@@ -1,6 +1,6 @@
 """Hostile request bodies against a `tpuserve gateway` process (over the scripted backend), issue 6: every answer
-is a 4xx in the OpenAI error shape, the gateway keeps serving, and its memory stays bounded. Then a hypothesis
-fuzz of random JSON bodies for both endpoints: never a 5xx, the OpenAI shape for every non-200."""
+is a 4xx in the OpenAI error shape, the gateway keeps serving, and its memory stays bounded. The hypothesis fuzz
+of random JSON bodies is test_hostile_fuzz.py."""
 
 from __future__ import annotations
 
@@ -9,55 +9,19 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from scripted_backend import MODEL_ID, VOCAB_SIZE
-from test_faults import assert_openai_error, free_port, start_gateway_process
+from hostile_gateway import CHAT, COMPLETIONS, VALID, GatewayProcess, serve
+from test_faults import assert_openai_error
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
 MAX_RSS_GROWTH = 100 * 1024 * 1024
-VALID = {
-    CHAT: {"model": MODEL_ID, "messages": [{"role": "user", "content": "say:ok"}], "max_tokens": 4},
-    COMPLETIONS: {"model": MODEL_ID, "prompt": "say:ok", "max_tokens": 4},
-}
-
-
-class Gateway:
-    def __init__(self, proc, url: str) -> None:
-        self.proc, self.url = proc, url
-        self.http = httpx.Client(base_url=url, timeout=30)
-
-    def rss(self) -> int:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            line = next(ln for ln in f if ln.startswith("VmRSS:"))
-        return int(line.split()[1]) * 1024
-
-    def check_serving(self) -> None:
-        assert self.proc.poll() is None, "the gateway process died"
-        assert self.http.get("/health").status_code == 200
-        for path, body in VALID.items():
-            r = self.http.post(path, json=body)
-            assert r.status_code == 200, r.text
-            out = r.json()["choices"][0]
-            assert (out.get("text") or out.get("message", {}).get("content")) == "ok"
 
 
 @pytest.fixture(scope="module")
-def gw(scripted) -> Iterator[Gateway]:
-    port = free_port()
-    proc = start_gateway_process([scripted.address], port)
-    g = Gateway(proc, f"http://127.0.0.1:{port}")
-    yield g
-    g.http.close()
-    proc.terminate()
-    proc.wait(10)
+def gw(scripted) -> Iterator[GatewayProcess]:
+    yield from serve(scripted.address)
 
 
 def send(
-    gw: Gateway, path: str, body: bytes | dict, content_type: str = "application/json"
+    gw: GatewayProcess, path: str, body: bytes | dict, content_type: str = "application/json"
 ) -> httpx.Response:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     return gw.http.post(path, content=data, headers={"content-type": content_type})
@@ -199,7 +163,7 @@ def hostile_corpus() -> list[tuple[str, str, bytes | dict, str]]:
 CORPUS = hostile_corpus()
 
 
-def test_hostile_bodies_get_4xx_in_the_openai_shape_and_the_gateway_keeps_serving(gw: Gateway) -> None:
+def test_hostile_bodies_get_4xx_in_the_openai_shape_and_the_gateway_keeps_serving(gw: GatewayProcess) -> None:
     gw.check_serving()
     rss_before = gw.rss()
     failures = []
@@ -215,7 +179,7 @@ def test_hostile_bodies_get_4xx_in_the_openai_shape_and_the_gateway_keeps_servin
     assert growth < MAX_RSS_GROWTH, f"gateway RSS grew by {growth / 2**20:.0f} MiB over {len(CORPUS)} bodies"
 
 
-def test_content_type_must_be_json(gw: Gateway) -> None:
+def test_content_type_must_be_json(gw: GatewayProcess) -> None:
     """A body declared as something else (curl -d sends application/x-www-form-urlencoded) is a 415 that says
     what to send; JSON with parameters, a +json type, or no Content-Type at all is parsed as JSON."""
     for path, body in VALID.items():
@@ -231,127 +195,13 @@ def test_content_type_must_be_json(gw: Gateway) -> None:
         assert r.status_code == 200, r.text
 
 
-def test_hostile_requests_beyond_the_body(gw: Gateway) -> None:
+def test_hostile_requests_beyond_the_body(gw: GatewayProcess) -> None:
     for method in ("GET", "PUT", "DELETE"):
         assert_4xx(gw.http.request(method, CHAT))
     assert_4xx(gw.http.get("/v1/nope"))
     assert_4xx(gw.http.get("/v1/models/" + "x" * 5000))
     assert_4xx(gw.http.post(CHAT, content=b"{", params={"x" * 100: "y" * 1000}))
     gw.check_serving()
-
-
-# ---- fuzz ---------------------------------------------------------------------------------------------
-
-# any code point, unpaired surrogates included (json.dumps writes them as \\udXXX escapes)
-any_text = st.text(st.characters(exclude_categories=()), max_size=20)
-json_scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=20)
-    | any_text
-)
-
-
-def _containers(children: st.SearchStrategy) -> st.SearchStrategy:
-    return st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
-
-
-json_values = st.recursive(json_scalars, _containers, max_leaves=12)
-text = st.text(max_size=12) | any_text  # prompts and content may hold unpaired surrogates
-message = st.fixed_dictionaries(
-    {
-        "role": st.sampled_from(["user", "system", "assistant", "developer"]),
-        "content": text
-        | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), min_size=1),
-    }
-)
-plain = st.text(max_size=8)
-FIELDS = {  # valid values (mostly() mixes in any JSON)
-    "temperature": st.floats(0, 2),
-    "top_p": st.floats(0, 1),
-    "n": st.integers(1, 3),
-    "stop": plain | st.lists(plain, max_size=4),
-    "seed": st.integers(-(2**63), 2**63 - 1),
-    "stream": st.booleans(),
-    "user": plain,
-    "logit_bias": st.just({}),
-    "presence_penalty": st.just(0),
-    "frequency_penalty": st.just(0.0),
-    "max_tokens": st.integers(1, 8),
-}
-CHAT_FIELDS = {
-    **FIELDS,
-    "logprobs": st.booleans(),
-    "top_logprobs": st.integers(0, 20),
-    "max_completion_tokens": st.integers(1, 8),
-    "response_format": st.just({"type": "text"}),
-}
-COMPLETION_FIELDS = {
-    **FIELDS,
-    "logprobs": st.integers(0, 20),
-    "echo": st.booleans(),
-    "best_of": st.integers(1, 4),
-}
-
-
-@st.composite
-def body_strategy(draw: st.DrawFn, path: str) -> object:
-    """A valid body, then (most of the time) one field replaced, removed or added with any JSON; or any JSON."""
-    if draw(st.integers(0, 9)) == 9:
-        return draw(json_values)
-    fields = CHAT_FIELDS if path == CHAT else COMPLETION_FIELDS
-    body: dict = {"model": MODEL_ID}
-    if path == CHAT:
-        body["messages"] = draw(st.lists(message, min_size=1, max_size=3))
-    else:
-        prompt = (
-            text
-            | st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=5)
-            | st.lists(text, min_size=1, max_size=3)
-        )
-        body["prompt"] = draw(prompt)
-    for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=4, unique=True)):
-        body[name] = draw(fields[name])
-    target = draw(st.sampled_from(["(none)", "(new)", *sorted(body), *sorted(fields)]))
-    if target == "(new)":
-        body[draw(st.text(max_size=8))] = draw(json_values)
-    elif target != "(none)":
-        if draw(st.booleans()):
-            body[target] = draw(json_values)
-        else:
-            body.pop(target, None)
-    return body
-
-
-FUZZ = settings(
-    max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None
-)
-STATUSES: dict[str, list[int]] = {}
-
-
-def check_fuzz_response(gw: Gateway, path: str, body: object) -> None:
-    data = json.dumps(body).encode()
-    r = gw.http.post(path, content=data, headers={"content-type": "application/json"})
-    STATUSES.setdefault(path, []).append(r.status_code)
-    assert r.status_code < 500, (r.status_code, r.text[:300], data[:300])
-    if r.status_code != 200:
-        assert r.headers["content-type"].startswith("application/json")
-        assert_openai_error(r.json())
-
-
-@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
-def test_fuzzed_bodies_are_never_a_5xx(gw: Gateway, path: str) -> None:
-    @FUZZ
-    @given(body=body_strategy(path))
-    def run(body: object) -> None:
-        check_fuzz_response(gw, path, body)
-
-    run()
-    gw.check_serving()
-    statuses = STATUSES.get(path, [])
-    assert 200 in statuses and 400 in statuses, "the fuzz should reach both valid and rejected bodies"
 
 
 # ---- the parser's fixes, directly ---------------------------------------------------------------------

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from test_faults import free_port, start_gateway_process, wait_until
+from test_faults import start_gateway_process
+
+from tests.helpers import free_port, wait_until
 
 CLIENTS = 64
 SECONDS = 30.0

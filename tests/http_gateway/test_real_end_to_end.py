@@ -23,6 +23,8 @@ import httpx
 import pytest
 from gateway_harness import GatewayServer
 
+from tests.helpers import require_extra
+
 NODE_DIR = Path(__file__).parent / "node"
 TOL = 2e-3
 
@@ -76,7 +78,7 @@ def _harness_score(choice: dict, ctxlen: int) -> tuple[float, bool]:
     token_logprobs = lp["token_logprobs"][ctxlen:-1]
     tokens = lp["tokens"][ctxlen:-1]
     tops = lp["top_logprobs"][ctxlen:-1]
-    is_greedy = all(t == max(top, key=top.get) for t, top in zip(tokens, tops))
+    is_greedy = all(t == max(top, key=top.get) for t, top in zip(tokens, tops, strict=True))
     return sum(token_logprobs), is_greedy
 
 
@@ -91,7 +93,7 @@ def _check_loglikelihood_choice(choice: dict, prompt_ids: list[int], tok) -> Non
     assert lp["tokens"][:n] == [tok.token_text(i) for i in prompt_ids]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
-    for t, x, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+    for t, x, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True):
         assert 1 <= len(top) <= 2 and top[t] >= x  # top 1 plus the scored token (equal strings: the higher)
     # temperature 0: the generated token is the argmax, alone in its dict
     gen_token, gen_lp, gen_top = lp["tokens"][-1], lp["token_logprobs"][-1], lp["top_logprobs"][-1]
@@ -123,7 +125,7 @@ def test_lm_eval_loglikelihood_token_id_prompts(real, tok, hf_reference) -> None
     assert body["usage"]["prompt_tokens"] == sum(map(len, prompts))
     assert body["usage"]["completion_tokens"] == 2
     greedies = []
-    for choice, ids, ctxlen, (context, continuation) in zip(choices, prompts, ctxlens, PAIRS):
+    for choice, ids, ctxlen, (context, continuation) in zip(choices, prompts, ctxlens, PAIRS, strict=True):
         _check_loglikelihood_choice(choice, ids, tok)
         assert choice["text"].startswith(context + continuation)
         score, greedy = _harness_score(choice, ctxlen)
@@ -235,7 +237,7 @@ def test_echo_prompt_logprobs_match_transformers(real, tok, hf_reference) -> Non
     ref = _reference_logprobs(hf_reference, ids)
     got = lp["token_logprobs"][1:]
     want = [float(ref[i - 1, ids[i]]) for i in range(1, len(ids))]
-    worst = max(abs(g - w) for g, w in zip(got, want))
+    worst = max(abs(g - w) for g, w in zip(got, want, strict=True))
     assert worst <= TOL, f"token_logprobs differ from transformers by up to {worst}"
 
     import torch
@@ -245,7 +247,7 @@ def test_echo_prompt_logprobs_match_transformers(real, tok, hf_reference) -> Non
         top = lp["top_logprobs"][pos]
         row = ref[pos - 1]
         values, indices = torch.topk(row, 12)
-        cands = [(texts[int(j)], float(v)) for v, j in zip(values, indices)]
+        cands = [(texts[int(j)], float(v)) for v, j in zip(values, indices, strict=True)]
         cands.append((texts[ids[pos]], float(row[ids[pos]])))
         # a dict key's value is the best logprob among the ids with that string (top 5 + the scored token)
         best: dict[str, float] = {}
@@ -293,9 +295,7 @@ def test_special_token_text_in_chat_content_is_plain_text(real, tok, real_backen
 
 
 def test_langchain_chat_openai(real) -> None:
-    langchain_openai = pytest.importorskip(
-        "langchain_openai", reason="langchain-openai is not installed (pip install -e '.[test]')"
-    )
+    langchain_openai = require_extra("langchain_openai")
     url, model, _ = real
     sent: list[dict] = []  # the request bodies LangChain put on the wire (observed, not changed)
     http_client = httpx.Client(event_hooks={"request": [lambda r: sent.append(json.loads(r.read()))]})
@@ -374,4 +374,4 @@ def test_node_sdk_streamed_chat_with_logprobs(real) -> None:
         assert top[0]["logprob"] >= top[1]["logprob"]
         assert e["token"] == top[0]["token"] and e["logprob"] == pytest.approx(top[0]["logprob"])  # greedy
     assert out["finish_reason"] in ("stop", "length")
-    assert out["usage"]["completion_tokens"] >= len(entries)
+    assert out["usage"]["completion_tokens"] == len(entries)  # chat: an ending EOS is neither

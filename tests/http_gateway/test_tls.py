@@ -15,8 +15,9 @@ import httpx
 import openai
 import pytest
 import yaml
-from test_faults import free_port, start_gateway_process
-from tpuserve.grpc_service.server import ServerTLS, parse_args, tls_of
+from test_faults import start_gateway_process
+from tpuserve.cli.backend import parse_args
+from tpuserve.grpc_service.settings import ServerTLS
 from tpuserve.model.embedded import default_model_path
 from tpuserve.model.tokenizer import load_tokenizer
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
@@ -24,8 +25,9 @@ from tpuserve.proto.tpuserve.v1 import tpuserve_pb2_grpc as pb_grpc
 
 from tests.grpc_service.conftest import ServerThread
 from tests.grpc_service.fake_engine import make_engine
+from tests.helpers import free_port, require_extra
 
-trustme = pytest.importorskip("trustme")
+trustme = require_extra("trustme")  # every test here needs its certificates
 
 MODEL = "fake-smollm2"
 
@@ -140,10 +142,10 @@ def test_backend_yaml_server_section_carries_the_certificates(tmp_path, pki):
     path = tmp_path / "backend.yaml"
     server = {"port": 50999, "tls_cert_file": pki["server_cert"], "tls_key_file": pki["server_key"]}
     path.write_text(yaml.safe_dump({"engine": {"slots": 2}, "server": server, "gateway": {"port": 1}}))
-    args = parse_args(["--config", str(path), "--tls-client-ca-file", pki["ca"]])
-    assert args.port == 50999
-    assert tls_of(args) == ServerTLS(pki["server_cert"], pki["server_key"], pki["ca"])
-    assert tls_of(parse_args(["--port", "1"])) is None
+    server, engine = parse_args(["--config", str(path), "--tls-client-ca-file", pki["ca"]])
+    assert server.port == 50999 and engine.slots == 2
+    assert server.tls() == ServerTLS(pki["server_cert"], pki["server_key"], pki["ca"])
+    assert parse_args(["--port", "1"])[0].tls() is None
     path.write_text(yaml.safe_dump({"server": {"tls_cert_file": pki["server_cert"]}}))
     with pytest.raises(SystemExit):
         parse_args(["--config", str(path)])  # a certificate without its key

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from tpuserve.model.config import ModelLoadError
 from tpuserve.model.embedded import default_model_path
 from tpuserve.model.loader import load_model

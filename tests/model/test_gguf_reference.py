@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
-
+import numpy as np
 from tpuserve.model.llama import Llama, init_cache
+
+from tests.helpers import require_extra
 
 TEXT = (
     "def fibonacci(n: int) -> int:\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
@@ -27,7 +26,7 @@ def teacher_forced(model_loaded, ids: list[int]) -> np.ndarray:
 
 
 def test_embedded_logprobs_match_transformers(embedded, hf_reference):
-    torch = pytest.importorskip("torch")
+    torch = require_extra("torch")
     hf_model, hf_tok = hf_reference
     ids = embedded.tokenizer.encode(TEXT)
     assert ids == hf_tok(TEXT)["input_ids"]

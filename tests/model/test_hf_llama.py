@@ -8,14 +8,15 @@ import dataclasses
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from tests.helpers import require_extra
 
-import jax.numpy as jnp  # noqa: E402
+torch = require_extra("torch")
+transformers = require_extra("transformers")
 
-from tpuserve.model import checkpoint  # noqa: E402
-from tpuserve.model.llama import Llama, init_cache  # noqa: E402
-from tpuserve.model.loader import convert, load_model  # noqa: E402
+import jax.numpy as jnp
+from tpuserve.model import checkpoint
+from tpuserve.model.llama import Llama, init_cache
+from tpuserve.model.loader import convert, load_model
 
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip

@@ -11,7 +11,7 @@ import sys
 from tpuserve.model.loader import load_model
 from tpuserve.sampler.engine import JaxEngine
 from tpuserve.sampler.api import SlotParams
-import tpuserve.grpc_service.server, tpuserve.http_gateway.cli
+import tpuserve.grpc_service.server, tpuserve.cli.main
 m = load_model()
 e = JaxEngine(m, slots=1, max_seq_len=64, steps_per_call=2)
 out = e.insert(e.prefill(m.tokenizer.encode("Hi")), 0, SlotParams(max_tokens=2, temperature=0.0))

@@ -14,6 +14,8 @@ import pytest
 from tpuserve.model.embedded import default_model_path
 from tpuserve.model.tokenizer import Tokenizer, load_tokenizer
 
+from tests.helpers import require_extra
+
 IM_START, IM_END = 1, 2
 
 MIXED_TEXT = (
@@ -50,7 +52,7 @@ def tok(gguf_path: pathlib.Path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def ref(gguf_path: pathlib.Path):
-    transformers = pytest.importorskip("transformers")
+    transformers = require_extra("transformers")
     return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
@@ -321,7 +323,7 @@ def sp_gguf(tmp_path_factory) -> pathlib.Path:
 
 
 def test_sentencepiece_gguf_matches_transformers(sp_gguf: pathlib.Path) -> None:
-    AutoTokenizer = pytest.importorskip("transformers").AutoTokenizer
+    AutoTokenizer = require_extra("transformers").AutoTokenizer
 
     sp_ref = AutoTokenizer.from_pretrained(str(sp_gguf.parent), gguf_file=sp_gguf.name)
     sp = load_tokenizer(sp_gguf)

@@ -4,9 +4,9 @@ invariance, and no compilation after warm-up."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
-
 from tpuserve.sampler.api import SlotParams
+
+from tests.helpers import require_extra, run_engine
 
 PROMPTS = [
     "The capital of France is",
@@ -19,46 +19,19 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.render_chat([{"role": "user", "content": text}])[1]
 
 
-def run(engine, requests: list[tuple[int, list[int], SlotParams]], want_prompt_logprobs: bool = False):
-    """Insert (slot, prompt ids, params) requests, generate until all finish, release. Returns per slot
-    (ids, logprobs, top_ids, top_logprobs) lists and the prompt logprobs of the first request."""
-    out = {slot: ([], [], [], []) for slot, _, _ in requests}
-    live = set()
-    prompt_lp = None
-    for slot, ids, params in requests:
-        prefix = engine.prefill(ids, want_prompt_logprobs)
-        if prompt_lp is None:
-            prompt_lp = engine.prompt_logprobs(prefix)
-        first = engine.insert(prefix, slot, params)
-        for acc, v in zip(out[slot], (first.token_id, first.logprob, first.top_ids, first.top_logprobs)):
-            acc.append(v)
-        if not first.done:
-            live.add(slot)
-    while live:
-        step = engine.generate()
-        for n in range(step.ids.shape[0]):
-            for slot in list(live):
-                if step.valid[n, slot]:
-                    t = step.token(n, slot)
-                    for acc, v in zip(out[slot], (t.token_id, t.logprob, t.top_ids, t.top_logprobs)):
-                        acc.append(v)
-                    if t.done:
-                        live.discard(slot)
-    for slot, _, _ in requests:
-        engine.release(slot)
-    return out, prompt_lp
-
-
 def test_greedy_tokens_and_logprobs_equal_transformers(engine, embedded, hf_reference):
-    torch = pytest.importorskip("torch")
+    torch = require_extra("torch")
     hf_model, _ = hf_reference
     for text in PROMPTS:
         ids = embedded.tokenizer.encode(text)
-        (toks, lps, top_ids, top_lps), _ = run(engine, [(5, ids, SlotParams(max_tokens=12, temperature=0.0))])[0][5], None
+        (toks, lps, _, top_lps), _ = (
+            run_engine(engine, [(5, ids, SlotParams(max_tokens=12, temperature=0.0))])[0][5],
+            None,
+        )
         with torch.no_grad():
             gen = hf_model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, output_logits=True,
                                     return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)  # fmt: skip
-        ref_ids = gen.sequences[0, len(ids):].tolist()
+        ref_ids = gen.sequences[0, len(ids) :].tolist()
         ref_lp = torch.log_softmax(torch.stack(gen.logits)[:, 0].float(), -1).numpy()
         assert toks == ref_ids, text
         ref_tok_lp = ref_lp[np.arange(len(ref_ids)), ref_ids]
@@ -69,10 +42,12 @@ def test_greedy_tokens_and_logprobs_equal_transformers(engine, embedded, hf_refe
 
 
 def test_prompt_logprobs_equal_teacher_forced_reference(engine, embedded, hf_reference):
-    torch = pytest.importorskip("torch")
+    torch = require_extra("torch")
     hf_model, _ = hf_reference
     ids = embedded.tokenizer.encode("Logprobs of a prompt: 中文 and 😀, each token given its prefix.")
-    _, plp = run(engine, [(0, ids, SlotParams(max_tokens=1, temperature=0.0))], want_prompt_logprobs=True)
+    _, plp = run_engine(
+        engine, [(0, ids, SlotParams(max_tokens=1, temperature=0.0))], want_prompt_logprobs=True
+    )
     with torch.no_grad():
         ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1).numpy()
     assert plp.logprobs.shape == (len(ids) - 1,)
@@ -81,58 +56,42 @@ def test_prompt_logprobs_equal_teacher_forced_reference(engine, embedded, hf_ref
     assert (plp.top_ids[:, :5] == np.argsort(-ref[:-1], -1)[:, :5]).all()
 
 
-def test_batch_buckets_decode_only_the_live_rows(embedded, engine):
-    """With min_batch_bucket, a lone request in slot 0 decodes on 8 rows: same tokens, logprobs equal to the
-    last bits' noise (not bit-exact: see EngineConfig.min_batch_bucket)."""
-    from tpuserve.sampler.engine import JaxEngine
-
-    bucketed = JaxEngine(embedded, slots=16, max_seq_len=128, steps_per_call=8, min_batch_bucket=8)
-    assert bucketed.batch_buckets == [8, 16]
-    calls = []
-    decode = bucketed._decode
-    bucketed._decode = lambda *a, **k: calls.append(k["batch"]) or decode(*a, **k)
-    ids = embedded.tokenizer.encode(PROMPTS[1])
-    params = SlotParams(max_tokens=10, temperature=0.0)
-    lone, _ = run(bucketed, [(0, ids, params)])
-    assert set(calls) == {8}
-    calls.clear()
-    high, _ = run(bucketed, [(12, ids, params)])  # a live slot past 8 needs the 16-row program
-    assert set(calls) == {16}
-    full, _ = run(engine, [(0, ids, params)])
-    assert lone[0][0] == high[12][0] == full[0][0]
-    assert np.abs(np.array(lone[0][1]) - np.array(full[0][1])).max() < 1e-5
-
-
 def test_long_prompt_is_prefilled_in_chunks(embedded):
     from tpuserve.sampler.engine import JaxEngine
 
-    small = JaxEngine(embedded, slots=2, max_seq_len=128, steps_per_call=4, min_prefill_bucket=32, prefill_chunk=32)
+    small = JaxEngine(
+        embedded, slots=2, max_seq_len=128, steps_per_call=4, min_prefill_bucket=32, prefill_chunk=32
+    )
     ids = embedded.tokenizer.encode("word " * 100)[:100]
     assert len(ids) == 100
-    whole, _ = run(small, [(0, ids, SlotParams(max_tokens=4, temperature=0.0))], want_prompt_logprobs=True)
+    whole, _ = run_engine(
+        small, [(0, ids, SlotParams(max_tokens=4, temperature=0.0))], want_prompt_logprobs=True
+    )
     unchunked = JaxEngine(embedded, slots=2, max_seq_len=128, steps_per_call=4, prefill_chunk=128)
-    ref, _ = run(unchunked, [(0, ids, SlotParams(max_tokens=4, temperature=0.0))])
+    ref, _ = run_engine(unchunked, [(0, ids, SlotParams(max_tokens=4, temperature=0.0))])
     assert whole[0][0] == ref[0][0]
     assert np.abs(np.array(whole[0][1]) - np.array(ref[0][1])).max() < 1e-4
 
 
 def test_max_tokens_stop_ids_and_slot_reuse(engine, embedded):
     ids = embedded.tokenizer.encode(PROMPTS[0])
-    full, _ = run(engine, [(3, ids, SlotParams(max_tokens=10, temperature=0.0))])
+    full, _ = run_engine(engine, [(3, ids, SlotParams(max_tokens=10, temperature=0.0))])
     assert len(full[3][0]) == 10
-    short, _ = run(engine, [(3, ids, SlotParams(max_tokens=4, temperature=0.0))])
+    short, _ = run_engine(engine, [(3, ids, SlotParams(max_tokens=4, temperature=0.0))])
     assert short[3][0] == full[3][0][:4]
     stop = full[3][0][2]
-    stopped, _ = run(engine, [(3, ids, SlotParams(max_tokens=10, temperature=0.0, stop_ids=(stop,)))])
+    stopped, _ = run_engine(engine, [(3, ids, SlotParams(max_tokens=10, temperature=0.0, stop_ids=(stop,)))])
     assert stopped[3][0] == full[3][0][: full[3][0].index(stop) + 1]
     # the reused slot (after three releases) gives what a fresh slot gives
-    again, _ = run(engine, [(40, ids, SlotParams(max_tokens=10, temperature=0.0))])
+    again, _ = run_engine(engine, [(40, ids, SlotParams(max_tokens=10, temperature=0.0))])
     assert again[40][0] == full[3][0]
 
 
 def test_eos_finishes_a_chat_reply(engine, embedded):
     ids = chat_ids(embedded.tokenizer, "What is the capital of France? One word.")
-    out, _ = run(engine, [(7, ids, SlotParams(max_tokens=60, temperature=0.0, stop_ids=embedded.tokenizer.eos_ids))])
+    out, _ = run_engine(
+        engine, [(7, ids, SlotParams(max_tokens=60, temperature=0.0, stop_ids=embedded.tokenizer.eos_ids))]
+    )
     toks = out[7][0]
     assert toks[-1] in embedded.tokenizer.eos_ids and len(toks) < 60
     assert "Paris" in embedded.tokenizer.decode(toks)
@@ -141,29 +100,31 @@ def test_eos_finishes_a_chat_reply(engine, embedded):
 def test_seeded_sampling_is_reproducible_in_any_slot(engine, embedded):
     ids = embedded.tokenizer.encode(PROMPTS[2])
     params = SlotParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=40, seed=1234)
-    alone, _ = run(engine, [(0, ids, params)])
+    alone, _ = run_engine(engine, [(0, ids, params)])
     neighbours = [(s, embedded.tokenizer.encode(PROMPTS[s % 3]), SlotParams(max_tokens=8, temperature=1.0, seed=s))
                   for s in (1, 2, 9)]  # fmt: skip
-    crowded, _ = run(engine, neighbours + [(17, ids, params)])
+    crowded, _ = run_engine(engine, neighbours + [(17, ids, params)])
     assert crowded[17][0] == alone[0][0]
-    other, _ = run(engine, [(0, ids, SlotParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=40, seed=99))])
+    other, _ = run_engine(
+        engine, [(0, ids, SlotParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=40, seed=99))]
+    )
     assert other[0][0] != alone[0][0]
     # top_k=1 sampling is greedy whatever the seed
-    greedy, _ = run(engine, [(0, ids, SlotParams(max_tokens=6, temperature=0.0))])
-    k1, _ = run(engine, [(0, ids, SlotParams(max_tokens=6, temperature=1.5, top_k=1, seed=5))])
+    greedy, _ = run_engine(engine, [(0, ids, SlotParams(max_tokens=6, temperature=0.0))])
+    k1, _ = run_engine(engine, [(0, ids, SlotParams(max_tokens=6, temperature=1.5, top_k=1, seed=5))])
     assert k1[0][0] == greedy[0][0]
 
 
 def test_batch_invariance_alone_vs_63_others(engine, embedded):
     ids = chat_ids(embedded.tokenizer, "Explain gravity in one sentence.")
     params = SlotParams(max_tokens=16, temperature=0.0)
-    alone, _ = run(engine, [(20, ids, params)])
+    alone, _ = run_engine(engine, [(20, ids, params)])
     others = [
         (s, embedded.tokenizer.encode(f"Request {s}: " + PROMPTS[s % 3]),
          SlotParams(max_tokens=16, temperature=0.7, seed=s))
         for s in range(64) if s != 33
     ]  # fmt: skip
-    crowded, _ = run(engine, others + [(33, ids, params)])
+    crowded, _ = run_engine(engine, others + [(33, ids, params)])
     assert crowded[33][0] == alone[20][0]
     assert np.array_equal(np.array(crowded[33][1]), np.array(alone[20][1]))  # bit-identical logprobs
     assert np.array_equal(np.stack(crowded[33][3]), np.stack(alone[20][3]))
@@ -173,17 +134,23 @@ def test_no_compilation_after_warm_up(engine, embedded):
     import jax
 
     compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda name, *a, **k: compiles.append(name) if "backend_compile" in name else None
-    )
-    tok = embedded.tokenizer
-    mixed = [
-        (1, tok.encode("short"), SlotParams(max_tokens=3, temperature=0.0)),
-        (2, tok.encode("a somewhat longer prompt " * 8), SlotParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=1)),
-        (3, tok.encode("x " * 150), SlotParams(max_tokens=40, temperature=1.0, min_p=0.1, top_k=50, seed=2)),
-    ]
-    run(engine, mixed, want_prompt_logprobs=True)
-    run(engine, mixed[:1])
-    assert compiles == []
-    jax.jit(lambda x: x * 3)(jax.numpy.ones(7))  # the listener does see a compilation
-    assert compiles
+
+    def on_event(name: str, *args, **kwargs) -> None:
+        if "backend_compile" in name:
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        tok = embedded.tokenizer
+        mixed = [
+            (1, tok.encode("short"), SlotParams(max_tokens=3, temperature=0.0)),
+            (2, tok.encode("a somewhat longer prompt " * 8), SlotParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=1)),
+            (3, tok.encode("x " * 150), SlotParams(max_tokens=40, temperature=1.0, min_p=0.1, top_k=50, seed=2)),
+        ]  # fmt: skip
+        run_engine(engine, mixed, want_prompt_logprobs=True)
+        run_engine(engine, mixed[:1])
+        assert compiles == []
+        jax.jit(lambda x: x * 3)(jax.numpy.ones(7))  # the listener does see a compilation
+        assert compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)

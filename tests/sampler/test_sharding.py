@@ -6,13 +6,14 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-
-from tests.sampler.test_engine import PROMPTS, run
 from tpuserve.model.convert_cli import main as convert_main
 from tpuserve.model.loader import load_model
 from tpuserve.model.sharding import make_mesh, param_shardings
 from tpuserve.sampler.api import SlotParams
 from tpuserve.sampler.engine import JaxEngine
+
+from tests.helpers import run_engine
+from tests.sampler.test_engine import PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +41,16 @@ def test_sharded_engine_matches_one_device(orbax_dir, embedded):
     for name, arr in sharded.params.items():  # restored directly into the planned layout
         assert arr.sharding.is_equivalent_to(expected[name], arr.ndim), name
     assert len(sharded.params["wq"].sharding.device_set) == 4
-    assert sharded.params["w_gate"].sharding.spec[-1] == "model"
-    settings = dict(slots=4, max_seq_len=128, steps_per_call=4)  # same shapes on both sides
+    assert sharded.params["w_gate"].sharding.spec[1] == "model"  # [L, I, H]: the MLP axis over the model axis
+    settings = {"slots": 4, "max_seq_len": 128, "steps_per_call": 4}  # same shapes on both sides
     tp_engine = JaxEngine(sharded, mesh=mesh, **settings)
     engine = JaxEngine(embedded, **settings)
     assert tp_engine.state.cache.k.sharding.spec[1] == "data"  # slots over the data axis
     for text in PROMPTS[:2]:
         ids = embedded.tokenizer.encode(text)
         params = SlotParams(max_tokens=8, temperature=0.0)
-        one, _ = run(engine, [(0, ids, params)])
-        tp, _ = run(tp_engine, [(1, ids, params)])
+        one, _ = run_engine(engine, [(0, ids, params)])
+        tp, _ = run_engine(tp_engine, [(1, ids, params)])
         assert tp[1][0] == one[0][0]
         # Tensor parallelism sums the wo / w_down contractions in partial sums across devices, a different fp32
         # reduction order: measured up to 1.2e-5 (sampled token) and 2.7e-5 (top-20) over 8 steps. The issue's
