@@ -2,8 +2,8 @@
 streaming clients against the real stack for a while; errors, latency under load vs idle, memory before/after.
 
 The stack is the one `tpuserve serve` runs, as two processes on free loopback ports: the gRPC backend
-(`python -m tpuserve.grpc_service`, the embedded model unless the config names another) and the gateway
-(`python -m tpuserve.http_gateway.serve`). The backend config is `--config` (default configs/default.yaml)
+(`python -m tpuserve.cli grpc`, the embedded model unless the config names another) and the gateway
+(`python -m tpuserve.cli gateway`). The backend config is `--config` (default configs/default.yaml)
 with `slots` / `max_seq_len` overridden (default 64 / 512 with the default config) and `max_queue` raised to
 at least `--clients`; the gateway's `--max-concurrent-requests` is above `--clients`: no request may be
 rejected for capacity, so every rejection is an error here. The run, in order:
@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 import yaml
-from tpuserve.proto import settings
+from tpuserve.cli import settings
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
@@ -124,13 +124,11 @@ def backend_config(base: pathlib.Path, out: pathlib.Path, overrides: dict, min_q
     """Write `base` to `out` with its engine settings updated by `overrides` (None: keep) and max_queue raised
     to min_queue; other sections of the file stay as they are. Returns the engine settings."""
     raw = settings.read(base)
-    sectioned = settings.is_sectioned(raw)  # else the file is the engine mapping itself
-    engine = dict((raw.get("engine") or {}) if sectioned else raw)
+    engine = settings.section(raw, "engine", flat=True, path=base)  # a flat file is the engine's mapping
     engine.update({k: v for k, v in overrides.items() if v is not None})
     engine["max_queue"] = max(int(engine.get("max_queue", 256)), min_queue)
-    out.write_text(
-        yaml.safe_dump({**raw, "engine": engine} if sectioned else {"engine": engine}, sort_keys=False)
-    )
+    others = raw if settings.is_sectioned(raw) else {}
+    out.write_text(yaml.safe_dump({**others, "engine": engine}, sort_keys=False))
     return engine
 
 
@@ -143,12 +141,12 @@ class Stack:
         backend = f"127.0.0.1:{self.grpc_port}"
         self.backend = self._spawn(
             "backend",
-            ["tpuserve.grpc_service", "--host", "127.0.0.1", "--port", str(self.grpc_port)]
+            ["tpuserve.cli", "grpc", "--host", "127.0.0.1", "--port", str(self.grpc_port)]
             + ["--metrics-port", "0", "--config", str(config)],
         )
         self.gateway = self._spawn(
             "gateway",
-            ["tpuserve.http_gateway.serve", "--host", "127.0.0.1", "--port", str(self.port)]
+            ["tpuserve.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port)]
             + ["--backend", backend, "--max-concurrent-requests", str(max_concurrent)],
         )
         self.procs = {"gateway": self.gateway, "backend": self.backend}

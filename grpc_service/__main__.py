@@ -1,4 +1,5 @@
-"""`python -m tpuserve.grpc_service --port 50051 [--model PATH] [--config configs/X.yaml]`."""
+"""`python -m tpuserve.grpc_service --port 50051 [--model PATH]`: flags only, plain-text logs (`tpuserve grpc`
+also reads a --config file and logs JSON)."""
 
 import sys
 

@@ -1,19 +1,27 @@
-"""The gRPC backend process: TextGeneration + grpc.health.v1.Health + reflection on one grpc.aio server.
+"""The gRPC backend process (`tpuserve grpc`): TextGeneration + grpc.health.v1.Health + reflection on one grpc.aio
+server, over one engine.
 
 Health is NOT_SERVING until the engine's warm-up (run on the engine thread after the port is open) has
 finished, then SERVING for "" and "tpuserve.v1.TextGeneration". SIGTERM/SIGINT: health NOT_SERVING, no new
 requests (UNAVAILABLE), in-flight streams drain up to a timeout (then end CANCELLED), exit 0.
+
+Threads of the process, and what each owns:
+  main thread         the asyncio event loop: the grpc.aio server and its RPC coroutines (servicer.py), health,
+                      reflection, the SIGTERM/SIGINT handlers and the shutdown sequence
+  engine thread       see orchestrator.py
+  metrics thread      prometheus_client's HTTP server, only with a metrics port: it owns nothing and reads the
+                      counters and the orchestrator's gauges when scraped (metrics.py)
+  shutdown helper     at shutdown, one executor thread (`asyncio.to_thread`) waits for the engine thread to stop
+gRPC's C core also runs its own polling threads; no Python code of ours runs on them.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
 import logging
-import pathlib
 import signal
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -23,11 +31,13 @@ from grpc_reflection.v1alpha import reflection
 from tpuserve.grpc_service.metrics import BackendMetrics, watch_compiles
 from tpuserve.grpc_service.orchestrator import Orchestrator
 from tpuserve.grpc_service.servicer import TextGenerationServicer
-from tpuserve.proto import jsonlog
-from tpuserve.proto.settings import merge
+from tpuserve.grpc_service.settings import ServerSettings, ServerTLS, parse_args
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2_grpc as pb_grpc
 from tpuserve.sampler.api import Engine
+from tpuserve.sampler.config import EngineConfig
+
+Progress = Callable[[int, int, str, float], None]  # warm-up stage k of n done, its name, its seconds
 
 if TYPE_CHECKING:
     from tpuserve.model.tokenizer import Tokenizer
@@ -35,25 +45,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
-MAX_MESSAGE_BYTES = (
-    64 * 1024 * 1024
-)  # prompt logprobs of a long prompt with top-20 exceed gRPC's 4 MiB default
+# Prompt logprobs of a long prompt with top-20 exceed gRPC's 4 MiB default.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-@dataclass(frozen=True)
-class ServerTLS:
-    """Serve gRPC over TLS with `cert_file` (PEM chain) and `key_file`; with `client_ca_file`, clients must
-    present a certificate signed by it (mutual TLS)."""
-
-    cert_file: str
-    key_file: str
-    client_ca_file: str | None = None
-
-    def credentials(self) -> grpc.ServerCredentials:
-        pair = (pathlib.Path(self.key_file).read_bytes(), pathlib.Path(self.cert_file).read_bytes())
-        ca = pathlib.Path(self.client_ca_file).read_bytes() if self.client_ca_file else None
-        return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
 class GrpcServer:
@@ -77,6 +71,7 @@ class GrpcServer:
         if error is None:
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, SERVING)
+            self.servicer.set_readiness("serving")
             log.info("serving on port %d", self.port)
             if not self.ready.done():
                 self.ready.set_result(None)
@@ -86,6 +81,7 @@ class GrpcServer:
     async def shutdown(self, drain_timeout_s: float = 30.0) -> bool:
         """Stop admission, let in-flight streams finish (cancel them after the timeout), stop. True if drained."""
         await self.health.enter_graceful_shutdown()
+        self.servicer.set_readiness("shutting down")
         self.orchestrator.stop_admission()
         drained = await self.servicer.drain(drain_timeout_s)
         await self.server.stop(grace=1.0)
@@ -106,14 +102,15 @@ async def start_server(
     max_n: int | None = None,
     max_prompt_tokens: int | None = None,
     max_queue_wait_s: float | None = None,
-    warmup: Callable[[], None] | None = None,
-    metrics_port: int | None = None,
+    warmup: Callable[[Progress], None] | None = None,
+    metrics_port: int = 0,
     log_prompts: bool = False,
     tls: ServerTLS | None = None,
 ) -> GrpcServer:
-    """Bind (port 0 = any free port), start, and start the engine thread (it runs `warmup` first).
+    """Bind (port 0 = any free port), start, and start the engine thread (it runs `warmup(progress)` first;
+    `progress(k, n, stage, seconds)` after each stage logs it and sets the readiness detail of GetModelInfo).
 
-    `metrics_port`: serve Prometheus metrics over HTTP on `host` at this port (0 = any free port; None = off).
+    `metrics_port`: serve Prometheus metrics over HTTP on `host` at this port (0 = off, as on the command line).
     `tls`: serve over TLS instead of plaintext."""
     orchestrator = Orchestrator(
         engine,
@@ -122,12 +119,7 @@ async def start_server(
         max_queue=max_queue,
         max_queue_wait_s=max_queue_wait_s,
     )
-    metrics = None
-    if metrics_port is not None:
-        watch_compiles()
-        metrics = BackendMetrics(orchestrator)
-        orchestrator.on_generate = metrics.generate_seconds.observe
-        orchestrator.on_drop = lambda code: metrics.dropped.labels(code).inc()
+    metrics = _metrics_of(orchestrator) if metrics_port else None
     servicer = TextGenerationServicer(
         orchestrator,
         tokenizer,
@@ -137,6 +129,38 @@ async def start_server(
         metrics=metrics,
         log_prompts=log_prompts,
     )
+    server, health = await _grpc_server(servicer)
+    bound = _bind(server, host, port, tls)
+    await server.start()
+    running = GrpcServer(server, bound, orchestrator, servicer, health)
+    if metrics is not None:
+        running.metrics = metrics
+        running.metrics_port = metrics.serve(host, metrics_port)
+    loop = asyncio.get_running_loop()
+
+    def on_ready(error: BaseException | None) -> None:  # on the engine thread
+        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(running._on_ready(error)))
+
+    def progress(k: int, n: int, stage: str, seconds: float) -> None:  # on the engine thread
+        log.info("warm-up %d/%d: %s (%.1f s)", k, n, stage, seconds)
+        loop.call_soon_threadsafe(servicer.set_readiness, f"warming up {k}/{n}: {stage}")
+
+    servicer.set_readiness("warming up" if warmup is not None else "starting")
+    orchestrator.start(warmup=None if warmup is None else lambda: warmup(progress), on_ready=on_ready)
+    return running
+
+
+def _metrics_of(orchestrator: Orchestrator) -> BackendMetrics:
+    """Backend metrics wired to the orchestrator's generate-call and queue-drop hooks."""
+    watch_compiles()
+    metrics = BackendMetrics(orchestrator)
+    orchestrator.on_generate = metrics.generate_seconds.observe
+    orchestrator.on_drop = lambda code: metrics.dropped.labels(code).inc()
+    return metrics
+
+
+async def _grpc_server(servicer: TextGenerationServicer) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
+    """An unbound grpc.aio server with TextGeneration, Health (NOT_SERVING until warm-up ends) and reflection."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -154,6 +178,11 @@ async def start_server(
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
+    return server, health
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTLS | None) -> int:
+    """Listen on host:port (0 = any free port), over TLS when `tls` is given; returns the bound port."""
     address = f"{host}:{port}"
     bound = (
         server.add_insecure_port(address)
@@ -161,19 +190,8 @@ async def start_server(
         else server.add_secure_port(address, tls.credentials())
     )
     if not bound:
-        raise OSError(f"cannot bind the gRPC server to {host}:{port}")
-    await server.start()
-    running = GrpcServer(server, bound, orchestrator, servicer, health)
-    if metrics is not None:
-        running.metrics = metrics
-        running.metrics_port = metrics.serve(host, metrics_port)
-    loop = asyncio.get_running_loop()
-
-    def on_ready(error: BaseException | None) -> None:  # on the engine thread
-        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(running._on_ready(error)))
-
-    orchestrator.start(warmup=warmup, on_ready=on_ready)
-    return running
+        raise OSError(f"cannot bind the gRPC server to {address}")
+    return bound
 
 
 async def serve(
@@ -212,114 +230,37 @@ async def serve(
     return 0
 
 
-SERVER_DEFAULTS: dict[str, Any] = {
-    "host": "0.0.0.0",
-    "port": 50051,
-    "metrics_port": 0,
-    "log_prompts": False,
-    "log_format": "json",
-    "drain_timeout": 30.0,
-    "tls_cert_file": None,
-    "tls_key_file": None,
-    "tls_client_ca_file": None,
-}
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """Flags, then the `server:` section of the --config YAML (keys = the flags' long names with underscores;
-    its `engine:` section configures the engine), then SERVER_DEFAULTS."""
-    p = argparse.ArgumentParser(prog="tpuserve grpc", description="Serve a model over gRPC (tpuserve.v1).")
-    p.add_argument("--host", default=None, help="default 0.0.0.0")
-    p.add_argument("--port", type=int, default=None, help="default 50051")
-    p.add_argument("--model", default=None, help="GGUF file, HF model directory or Orbax checkpoint")
-    p.add_argument("--config", default=None, help="YAML config (configs/*.yaml); flags override it")
-    p.add_argument(
-        "--max-queue", type=int, default=None, help="requests waiting for a slot (then RESOURCE_EXHAUSTED)"
-    )
-    p.add_argument("--max-n", type=int, default=None, help="most samples per request (capped at the slots)")
-    p.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=None,
-        help="longest prompt accepted (default: context length)",
-    )
-    p.add_argument(
-        "--max-queue-wait",
-        type=float,
-        default=None,
-        help="seconds a request may wait for a slot, then RESOURCE_EXHAUSTED (default: no limit)",
-    )
-    p.add_argument(
-        "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this HTTP port (0 = off)"
-    )
-    p.add_argument(
-        "--log-prompts",
-        action="store_true",
-        default=None,
-        help="include prompts in the per-request log lines",
-    )
-    p.add_argument("--log-format", choices=("json", "text"), default=None, help="default json")
-    p.add_argument(
-        "--drain-timeout", type=float, default=None, help="seconds in-flight requests get on SIGTERM (30)"
-    )
-    p.add_argument(
-        "--tls-cert-file", default=None, help="serve gRPC over TLS with this PEM certificate (chain)"
-    )
-    p.add_argument("--tls-key-file", default=None, help="the PEM private key of --tls-cert-file")
-    p.add_argument(
-        "--tls-client-ca-file",
-        default=None,
-        help="require client certificates signed by this CA (mutual TLS)",
-    )
-    ns = p.parse_args(argv)
-    try:
-        settings = merge(SERVER_DEFAULTS, ns.config, "server", vars(ns))
-    except ValueError as e:
-        p.error(str(e))
-    if (settings["tls_cert_file"] is None) != (settings["tls_key_file"] is None):
-        p.error("TLS needs both --tls-cert-file and --tls-key-file")
-    if settings["tls_client_ca_file"] and not settings["tls_cert_file"]:
-        p.error("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
-    return argparse.Namespace(**settings, **{k: getattr(ns, k) for k in ENGINE_FLAGS}, config=ns.config)
-
-
-ENGINE_FLAGS = ("model", "max_queue", "max_n", "max_prompt_tokens", "max_queue_wait")
-
-
-def tls_of(args: argparse.Namespace) -> ServerTLS | None:
-    if args.tls_cert_file is None:
-        return None
-    return ServerTLS(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`tpuserve grpc --port 50051 [--model PATH] [--config configs/X.yaml]`.
+def main(
+    argv: Sequence[str] | None = None, settings: tuple[ServerSettings, EngineConfig] | None = None
+) -> int:
+    """Serve with `settings` (the server's and the engine's, finished: `tpuserve grpc` read the --config file
+    and set up the JSON logs), else with the flags in `argv` on the defaults, logging plain text (`python -m
+    tpuserve.grpc_service --port 50051 [--model PATH]`).
 
     The engine is built with warm-up deferred, so the port opens (health NOT_SERVING) while it compiles."""
-    args = parse_args(argv)
-    jsonlog.setup("INFO", args.log_format)
-    import dataclasses
-
-    from tpuserve.sampler.config import load_config  # these import JAX: only when really serving
+    if settings is None:
+        settings = parse_args(argv)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server, cfg = settings
+    # Imported here, not above: the service itself runs over any `Engine` (tests use a fake one without JAX).
     from tpuserve.sampler.factory import load_engine
 
-    cfg = load_config(args.config, {k: getattr(args, k) for k in ENGINE_FLAGS})
     engine, tokenizer, model_id = load_engine(dataclasses.replace(cfg, warm_up=False))
-    return asyncio.run(
-        serve(
-            engine,
-            tokenizer,
-            model_id,
-            args.host,
-            args.port,
-            max_queue=cfg.max_queue,
-            max_n=cfg.max_n,
-            max_prompt_tokens=cfg.max_prompt_tokens,
-            max_queue_wait_s=cfg.max_queue_wait,
-            warmup=engine.warm_up if cfg.warm_up else None,
-            drain_timeout_s=args.drain_timeout,
-            metrics_port=args.metrics_port or None,
-            log_prompts=args.log_prompts,
-            tls=tls_of(args),
-        )
-    )
+    warmup = (lambda progress: engine.warm_up(progress=progress)) if cfg.warm_up else None
+    return asyncio.run(serve(engine, tokenizer, model_id, warmup=warmup, **_serve_options(server, cfg)))
+
+
+def _serve_options(server: ServerSettings, cfg: EngineConfig) -> dict[str, Any]:
+    """`serve`'s keywords (but `warmup`) from the process's settings."""
+    return {
+        "host": server.host,
+        "port": server.port,
+        "max_queue": cfg.max_queue,
+        "max_n": cfg.max_n,
+        "max_prompt_tokens": cfg.max_prompt_tokens,
+        "max_queue_wait_s": cfg.max_queue_wait,
+        "drain_timeout_s": server.drain_timeout,
+        "metrics_port": server.metrics_port or 0,
+        "log_prompts": server.log_prompts,
+        "tls": server.tls(),
+    }

@@ -133,6 +133,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             max_prompt_tokens=max_prompt_tokens,
         )
         self.created = int(time.time())
+        self.readiness = "serving"  # set on the event loop thread by the server (warm-up progress, shutdown)
         self._open: set[RequestStream] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -235,6 +236,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         raise AssertionError("unreachable: abort raises")
 
+    def set_readiness(self, detail: str) -> None:
+        self.readiness = detail
+
     async def drain(self, timeout: float) -> bool:
         """Wait for open Generate streams to end; after `timeout` cancel them (they end with CANCELLED)."""
         try:
@@ -306,4 +310,5 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             slots=engine.slots,
             max_n=self.limits.max_n,
             created=self.created,
+            readiness=self.readiness,
         )

@@ -1,8 +1,10 @@
 """tpuserve.http_gateway: the OpenAI-compatible HTTP front end. It talks to backends only over gRPC (the proto
-stubs) and never imports JAX, so it runs as a small separate process in front of one or more backends.
+stubs) and never imports JAX or the backend's packages, so it runs as a small separate process in front of one
+or more backends.
 
+  serve.py            main(argv): the gateway process (`tpuserve gateway`), uvicorn; its threads
+  settings.py         GatewaySettings (flags, the YAML `gateway:` section) and parse_args
   app.py              create_app(): routes, lifespan of the backend pool, disconnect -> cancel
-  serve.py            main(argv): `tpuserve gateway --backend HOST:PORT ... [--port] [--api-key]` (uvicorn)
   auth.py             bearer-token check for /v1/* (constant time)
   observability.py    limits (body size, concurrency, n), Prometheus /metrics, per-request JSON log lines
   backends.py         grpc.aio channels, model discovery, health, round-robin + failover on UNAVAILABLE
@@ -14,5 +16,7 @@ stubs) and never imports JAX, so it runs as a small separate process in front of
   samples.py          backend messages -> per-sample results, finish reasons
   logprobs.py         raw token bytes -> chat and legacy logprob JSON (design.md "Logprob rules")
   response_models.py  response bodies
-  errors.py / sse.py  OpenAI error shape and gRPC status mapping / SSE framing
+  openapi.py          the /openapi.json document
+  errors.py           the OpenAI error shape and the gRPC status -> HTTP mapping
+  sse.py              SSE framing
 """

@@ -140,7 +140,13 @@ def create_app(
             expose_headers=["x-request-id", "Retry-After"],
             max_age=600,
         )
-    document = openapi.build(api_key=bool(api_key))
+    _add_api_routes(app, pool, limits)
+    _add_service_routes(app, pool, metrics, openapi.build(api_key=bool(api_key)))
+    return app
+
+
+def _add_api_routes(app: FastAPI, pool: BackendPool, limits: Limits) -> None:
+    """The OpenAI routes under /v1."""
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -170,6 +176,10 @@ def create_app(
         info = await pool.info(model_id)
         return _json(ModelCard(id=info.model_id, object="model", created=info.created, owned_by=OWNED_BY))
 
+
+def _add_service_routes(app: FastAPI, pool: BackendPool, metrics: GatewayMetrics, document: dict) -> None:
+    """The open routes: the OpenAPI document, Prometheus metrics, health."""
+
     @app.get("/openapi.json")
     async def openapi_document() -> Response:
         return JSONResponse(document)
@@ -180,8 +190,12 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if await pool.healthy():
-            return JSONResponse({"status": "ok"})
-        return APIError(503, "No backend is serving.", "server_error", None, "service_unavailable").response()
-
-    return app
+        """200 when a backend serves; 503 otherwise. Both say where each backend is (`readiness`)."""
+        serving, readiness = await asyncio.gather(pool.healthy(), pool.readiness())
+        if serving:
+            return JSONResponse({"status": "ok", "backends": readiness})
+        detail = "; ".join(f"{address}: {state}" for address, state in readiness.items())
+        error = APIError(
+            503, f"No backend is serving ({detail}).", "server_error", None, "service_unavailable"
+        )
+        return error.response()

@@ -80,6 +80,14 @@ class Backend:
             log.warning("backend %s: GetModelInfo failed: %s", self.address, e.code().name)
         return self.info
 
+    async def readiness(self) -> str:
+        """The backend's own word on where it is ("warming up 7/24: ...", "serving"), or why it cannot say."""
+        try:
+            info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=HEALTH_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            return f"unreachable ({e.code().name})"
+        return info.readiness or "unknown"
+
     async def serving(self) -> bool:
         try:
             resp = await self.health.Check(
@@ -120,6 +128,11 @@ class BackendPool:
 
     async def healthy(self) -> bool:
         return any(await asyncio.gather(*(b.serving() for b in self.backends)))
+
+    async def readiness(self) -> dict[str, str]:
+        """Backend address -> its readiness detail."""
+        details = await asyncio.gather(*(b.readiness() for b in self.backends))
+        return dict(zip((b.address for b in self.backends), details, strict=True))
 
     async def resolve(self, model: str) -> list[Backend]:
         """Backends serving `model`, rotated round-robin (the first is this request's choice)."""

@@ -21,6 +21,7 @@ from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 
 request_log = logging.getLogger("tpuserve.gateway.requests")
 
+_PROBES = ("/health", "/metrics")
 _ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -255,9 +256,13 @@ class Observe:
             fields["stream_error"] = rec.error
         if rec.log_prompts and rec.prompt is not None:
             fields["prompt"] = rec.prompt
-        request_log.info(
-            "%s %s %d %s", scope["method"], scope["path"], status, rec.request_id, extra={"fields": fields}
-        )
+        # Probes (health checks, scrapes) come every few seconds: a line each only at debug level, unless they
+        # fail otherwise than "not ready yet" (503 while the backend warms up, which it logs itself).
+        probe = scope["path"] in _PROBES and (status < 400 or status == 503)
+        request_log.log(
+            logging.DEBUG if probe else logging.INFO,
+            "%s %s %d %s", scope["method"], scope["path"], status, rec.request_id, extra={"fields": fields},
+        )  # fmt: skip
 
 
 def _too_large(limit: int) -> APIError:

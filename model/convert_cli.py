@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
+
+from tpuserve.model.loader import convert, load_model
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tpuserve convert", description=__doc__)
     p.add_argument("src", help="GGUF file or Hugging Face directory ('embedded' for the default model)")
     p.add_argument("dst", help="output directory")
     args = p.parse_args(argv)
-    from tpuserve.model.loader import convert, load_model
-
     src = None if args.src == "embedded" else args.src
     start = time.perf_counter()
     loaded = convert(src, args.dst)

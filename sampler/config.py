@@ -13,16 +13,16 @@ class EngineConfig:
 
     model: str | None = None  # GGUF file, HF directory or Orbax checkpoint; None = embedded default
     dtype: str = "float32"  # float32 on CPU (bf16 runs ~10x slower on XLA:CPU); bfloat16 on TPU/GPU
-    slots: int = 16  # B: decode batch
-    max_seq_len: int = 1024  # S: prompt + generated tokens per sample
+    slots: int = 64  # B: decode batch (64 users at once; one user decodes on the smallest batch bucket)
+    max_seq_len: int = 512  # S: prompt + generated tokens per sample
     steps_per_call: int = 8  # N: fused decode steps per generate call
-    min_prefill_bucket: int = 32
-    prefill_chunk: int = 512
+    min_prefill_bucket: int = 16
+    prefill_chunk: int = 256  # a running stream waits at most about one chunk of someone else's prefill
     min_attend_bucket: int = 128
-    # null: decode always runs all slots (bit-exact batch invariance). A number (e.g. 8): decode runs on the
-    # smallest power-of-two row bucket covering the live slots — lower latency at low load, but a request's
-    # logprobs then vary in the last bits with the load (XLA sums matmuls differently for other row counts).
-    min_batch_bucket: int | None = None
+    # Decode runs on the smallest power-of-two row bucket (>= this, >= 2) covering the occupied slots; a
+    # request's tokens and logprobs are bit-identical whatever the bucket (tests/sampler/test_batch_invariance.py).
+    # null: always all slots.
+    min_batch_bucket: int | None = 8
     processed_logprobs: bool = False  # raw logprobs (OpenAI's at temperature 0) unless set
     model_parallel: int = 1  # mesh "model" axis size (heads / MLP / KV heads)
     data_parallel: int = 1  # mesh "data" axis size (slots)
@@ -31,3 +31,5 @@ class EngineConfig:
     max_prompt_tokens: int | None = None  # longer prompts are INVALID_ARGUMENT; None = the context length
     max_queue_wait: float | None = None  # seconds a request may wait for a slot, then RESOURCE_EXHAUSTED
     warm_up: bool = True
+    # JAX's persistent compilation cache: null = $XDG_CACHE_HOME/tpuserve (~/.cache/tpuserve), "none" = off
+    compilation_cache_dir: str | None = None

@@ -11,8 +11,10 @@ Driven by one thread (the orchestrator's engine thread, which also runs `warm_up
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import jax
@@ -228,20 +230,37 @@ class JaxEngine(Engine):
         self._length_bound[slot] = 0
 
     # -- start-up -----------------------------------------------------------------------------------------------
-    def warm_up(self, prompt_logprobs: bool = True) -> None:
-        """Compile every program the serving loop can call: prefill per bucket (with and without prompt
-        logprobs), insert per bucket, decode per (attended-length, batch) bucket. Leaves all slots free."""
+    def warm_up_stages(self, prompt_logprobs: bool = True) -> list[tuple[str, Callable[[], None]]]:
+        """What warm-up runs, stage by stage: prefill + insert per prompt bucket (with and without prompt
+        logprobs), decode per (attended-length, batch) bucket. Each stage compiles its programs (or loads them
+        from the compilation cache) and runs them once."""
         params = SlotParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=5, seed=0)
-        for bucket in self.prefill_buckets:
+
+        def prefill(bucket: int) -> None:
             for want in (False, True) if prompt_logprobs else (False,):
                 prefix = self.prefill([1] * bucket, want_prompt_logprobs=want)
             self.insert(prefix, 0, params)
             self.release(0)
-        for attend in self.attend_buckets:
-            for batch in self.batch_buckets:
-                self.state, outs = self.programs.decode(
-                    self.params, self.state, attend_len=attend, batch=batch
-                )
-                jax.block_until_ready(outs)
+
+        def decode(attend: int, batch: int) -> None:
+            self.state, outs = self.programs.decode(self.params, self.state, attend_len=attend, batch=batch)
+            jax.block_until_ready(outs)
+
+        stages = [(f"prefill bucket {b}", functools.partial(prefill, b)) for b in self.prefill_buckets]
+        stages += [(f"decode {a} positions x {b} rows", functools.partial(decode, a, b))
+                   for a in self.attend_buckets for b in self.batch_buckets]  # fmt: skip
+        return stages
+
+    def warm_up(
+        self, prompt_logprobs: bool = True, progress: Callable[[int, int, str, float], None] | None = None
+    ) -> None:
+        """Compile every program the serving loop can call (`warm_up_stages`); leaves all slots free.
+        `progress(k, n, stage, seconds)` is called after each stage."""
+        stages = self.warm_up_stages(prompt_logprobs)
+        for k, (name, run) in enumerate(stages, start=1):
+            start = time.perf_counter()
+            run()
+            if progress is not None:
+                progress(k, len(stages), name, time.perf_counter() - start)
         self._occupied[:] = False
         self._length_bound[:] = 0

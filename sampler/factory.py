@@ -9,6 +9,7 @@ import time
 from tpuserve.model.loader import load_model
 from tpuserve.model.sharding import make_mesh
 from tpuserve.model.tokenizer import Tokenizer
+from tpuserve.sampler import compile_cache
 from tpuserve.sampler.config import EngineConfig
 from tpuserve.sampler.engine import JaxEngine
 
@@ -23,6 +24,8 @@ def load_engine(cfg: EngineConfig) -> tuple[JaxEngine, Tokenizer, str]:
         if cfg.model_parallel * cfg.data_parallel > 1
         else None
     )
+    cache = compile_cache.enable(cfg.compilation_cache_dir)
+    log.info("compilation cache: %s", cache if cache is not None else "off")
     loaded = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh)
     engine = JaxEngine(
         loaded,
@@ -38,6 +41,6 @@ def load_engine(cfg: EngineConfig) -> tuple[JaxEngine, Tokenizer, str]:
     )
     if cfg.warm_up:
         start = time.perf_counter()
-        engine.warm_up()
+        engine.warm_up(progress=lambda k, n, stage, s: log.info("warm-up %d/%d: %s (%.1f s)", k, n, stage, s))
         log.info("warm-up compiled all programs in %.1f s", time.perf_counter() - start)
     return engine, loaded.tokenizer, loaded.model_id

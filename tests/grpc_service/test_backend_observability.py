@@ -15,11 +15,12 @@ import grpc
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tpuserve.proto.jsonlog import JSONFormatter
+from tpuserve.cli.jsonlog import JSONFormatter
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 
 from tests.grpc_service.conftest import ServerThread, generate
 from tests.grpc_service.fake_engine import make_engine
+from tests.helpers import free_port
 
 SECRET = "my secret prompt about zebras"
 
@@ -45,7 +46,10 @@ def captured(name: str) -> Iterator[list[dict]]:
 def wait_for(lines: list[dict], request_id: str, timeout: float = 5.0) -> list[dict]:
     """The server logs after the call's last message or status, which the client may see first."""
     deadline = time.monotonic() + timeout
-    while not (found := [ln for ln in lines if ln.get("request_id") == request_id]) and time.monotonic() < deadline:
+    while (
+        not (found := [ln for ln in lines if ln.get("request_id") == request_id])
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.01)
     return found
 
@@ -64,7 +68,7 @@ def scrape(port: int) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def observed(tokenizer) -> Iterator[ServerThread]:
     engine = make_engine(tokenizer, slots=4, max_seq_len=256, steps_per_call=4)
-    server = ServerThread(engine, tokenizer, metrics_port=0, max_prompt_tokens=32)
+    server = ServerThread(engine, tokenizer, metrics_port=free_port(), max_prompt_tokens=32)
     yield server
     server.close()
 
@@ -81,19 +85,31 @@ def test_metrics_port_serves_state_and_counters_that_move(observed: ServerThread
     out = generate(observed.stub, text="Hello there", stopping=pb.StoppingCriteria(max_tokens=6), n=2)
     assert all(m.request_id for m in out)
     deadline = time.monotonic() + 5  # the call is counted when it ends, which the client may see first
-    while 'tpuserve_backend_requests_total{code="OK"}' not in (after := scrape(port)) and time.monotonic() < deadline:
+    while (
+        'tpuserve_backend_requests_total{code="OK"}' not in (after := scrape(port))
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.01)
-    assert after["tpuserve_backend_generated_tokens_total"] - before.get("tpuserve_backend_generated_tokens_total", 0) == 12
+    assert (
+        after["tpuserve_backend_generated_tokens_total"]
+        - before.get("tpuserve_backend_generated_tokens_total", 0)
+        == 12
+    )
     assert after['tpuserve_backend_samples_finished_total{finish_reason="length"}'] >= 2
     assert after['tpuserve_backend_requests_total{code="OK"}'] >= 1
-    assert after["tpuserve_backend_generate_call_seconds_count"] > before.get("tpuserve_backend_generate_call_seconds_count", 0)
+    assert after["tpuserve_backend_generate_call_seconds_count"] > before.get(
+        "tpuserve_backend_generate_call_seconds_count", 0
+    )
     assert after["tpuserve_backend_time_to_first_token_seconds_count"] >= 1
+    for part in ("queue_wait", "prefill", "delivery"):  # the time to first token, split
+        assert after[f"tpuserve_backend_ttft_{part}_seconds_count"] >= 1
 
 
 def test_active_slots_and_queue_depth_while_the_engine_is_held(observed: ServerThread) -> None:
     engine = observed.engine
     engine.gate = threading.Event()  # generate() waits on it: slots stay taken
     results: list = []
+
     def one() -> None:
         results.append(generate(observed.stub, text="Hello", stopping=pb.StoppingCriteria(max_tokens=4), n=2))
 
@@ -110,7 +126,7 @@ def test_active_slots_and_queue_depth_while_the_engine_is_held(observed: ServerT
                 break
             assert time.monotonic() < deadline, m
             time.sleep(0.02)
-        assert m["tpuserve_backend_kv_cache_used_positions"] >= 0
+        assert m["tpuserve_backend_kv_cache_used_positions"] > 0  # the held samples' prompts and tokens
     finally:
         engine.gate.set()
         for t in threads:
@@ -131,7 +147,9 @@ def test_compiles_are_counted(observed: ServerThread) -> None:
 
 def test_one_json_log_line_per_generate_with_the_request_id_and_no_prompt(observed: ServerThread) -> None:
     with captured("tpuserve.backend.requests") as lines:
-        generate(observed.stub, request_id="req-abc123", text=SECRET, stopping=pb.StoppingCriteria(max_tokens=3))
+        generate(
+            observed.stub, request_id="req-abc123", text=SECRET, stopping=pb.StoppingCriteria(max_tokens=3)
+        )
         mine = wait_for(lines, "req-abc123")
     assert len(mine) == 1, lines
     line = mine[0]
@@ -141,12 +159,13 @@ def test_one_json_log_line_per_generate_with_the_request_id_and_no_prompt(observ
 
 
 def test_prompts_are_logged_only_with_log_prompts(tokenizer) -> None:
-    server = ServerThread(make_engine(tokenizer, slots=2, max_seq_len=128, steps_per_call=4), tokenizer, log_prompts=True)
+    engine = make_engine(tokenizer, slots=2, max_seq_len=128, steps_per_call=4)
+    server = ServerThread(engine, tokenizer, log_prompts=True, metrics_port=0)
     try:
         with captured("tpuserve.backend.requests") as lines:
             generate(server.stub, request_id="req-p", text=SECRET, stopping=pb.StoppingCriteria(max_tokens=2))
             assert [ln["prompt"] for ln in wait_for(lines, "req-p")] == [SECRET]
-        assert server.server.metrics_port is None  # metrics off unless a port is given
+        assert server.server.metrics_port is None and server.server.metrics is None  # 0 = off
     finally:
         server.close()
 
@@ -154,8 +173,15 @@ def test_prompts_are_logged_only_with_log_prompts(tokenizer) -> None:
 def test_max_prompt_tokens_is_invalid_argument_naming_it(observed: ServerThread) -> None:
     with captured("tpuserve.backend.requests") as lines:
         with pytest.raises(grpc.RpcError) as err:  # the log line is awaited after the error
-            generate(observed.stub, request_id="req-long", text="hello " * 100, stopping=pb.StoppingCriteria(max_tokens=2))
+            generate(
+                observed.stub,
+                request_id="req-long",
+                text="hello " * 100,
+                stopping=pb.StoppingCriteria(max_tokens=2),
+            )
         assert [ln["code"] for ln in wait_for(lines, "req-long")] == ["INVALID_ARGUMENT"]
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "max_prompt_tokens 32" in err.value.details()
-    assert scrape(observed.server.metrics_port)['tpuserve_backend_requests_total{code="INVALID_ARGUMENT"}'] >= 1
+    assert (
+        scrape(observed.server.metrics_port)['tpuserve_backend_requests_total{code="INVALID_ARGUMENT"}'] >= 1
+    )

@@ -21,6 +21,7 @@ from tpuserve.proto.tpuserve.v1 import tpuserve_pb2_grpc as pb_grpc
 
 from tests.grpc_service.conftest import ServerThread, generate
 from tests.grpc_service.fake_engine import make_engine
+from tests.helpers import free_port
 
 SERVICE = "tpuserve.v1.TextGeneration"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -39,14 +40,23 @@ def wait_until(predicate, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_health_flips_to_serving_after_warmup(tokenizer):
+def test_health_flips_to_serving_after_warmup_and_model_info_says_how_far(tokenizer):
     warmed = threading.Event()
-    server = ServerThread(make_engine(tokenizer), tokenizer, wait_ready=False, warmup=lambda: warmed.wait(10))
+
+    def warmup(progress):
+        progress(1, 2, "prefill bucket 16", 0.5)
+        warmed.wait(10)
+        progress(2, 2, "decode 128 positions x 8 rows", 0.5)
+
+    server = ServerThread(make_engine(tokenizer), tokenizer, wait_ready=False, warmup=warmup)
+    info = lambda: server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5).readiness  # noqa: E731
     try:
         assert health_of(server.channel) == NOT_SERVING and health_of(server.channel, SERVICE) == NOT_SERVING
+        wait_until(lambda: info() == "warming up 1/2: prefill bucket 16")
         warmed.set()
         server.wait_ready()
         assert health_of(server.channel) == SERVING and health_of(server.channel, SERVICE) == SERVING
+        wait_until(lambda: info() == "serving")
     finally:
         server.close()
 
@@ -105,7 +115,7 @@ def test_queued_request_past_its_deadline_never_takes_a_slot(tokenizer):
     thread's own deadline check (test_orchestrator.py) — the request gets no slot, and it is logged and counted
     as DEADLINE_EXCEEDED, not as a client cancel."""
     engine = make_engine(tokenizer, slots=1, max_seq_len=4096, delay_s=0.01)
-    server = ServerThread(engine, tokenizer, metrics_port=0)
+    server = ServerThread(engine, tokenizer, metrics_port=free_port())
     try:
         holder = hold_the_only_slot(server, engine)
         with pytest.raises(grpc.RpcError) as info:
@@ -123,7 +133,7 @@ def test_queued_request_past_its_deadline_never_takes_a_slot(tokenizer):
 
 def test_max_queue_wait_answers_resource_exhausted_before_a_slot(tokenizer):
     engine = make_engine(tokenizer, slots=1, max_seq_len=4096, delay_s=0.01)
-    server = ServerThread(engine, tokenizer, max_queue_wait_s=0.2, metrics_port=0)
+    server = ServerThread(engine, tokenizer, max_queue_wait_s=0.2, metrics_port=free_port())
     try:
         holder = hold_the_only_slot(server, engine)
         t0 = time.monotonic()

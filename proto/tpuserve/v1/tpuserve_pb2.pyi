@@ -215,7 +215,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "context_length", "max_top_logprobs", "eos_token_ids", "dtype", "mesh_shape", "mesh_axes", "slots", "max_n", "created")
+    __slots__ = ("model_id", "vocab_size", "context_length", "max_top_logprobs", "eos_token_ids", "dtype", "mesh_shape", "mesh_axes", "slots", "max_n", "created", "readiness")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +227,7 @@ class ModelInfo(_message.Message):
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     MAX_N_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    READINESS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     context_length: int
@@ -238,4 +239,5 @@ class ModelInfo(_message.Message):
     slots: int
     max_n: int
     created: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_axes: _Optional[_Iterable[str]] = ..., slots: _Optional[int] = ..., max_n: _Optional[int] = ..., created: _Optional[int] = ...) -> None: ...
+    readiness: str
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_axes: _Optional[_Iterable[str]] = ..., slots: _Optional[int] = ..., max_n: _Optional[int] = ..., created: _Optional[int] = ..., readiness: _Optional[str] = ...) -> None: ...

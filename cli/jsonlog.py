@@ -1,6 +1,5 @@
-"""Structured logs: one JSON object per line, standard library only. It lives beside the gRPC schema because
-both processes share it and both already depend on `tpuserve.proto` (the gateway imports nothing of the
-backend, the backend nothing of the gateway).
+"""Structured logs: one JSON object per line, standard library only. The command line sets them up before it
+runs a process (`tpuserve gateway|grpc|serve`); a layer's `main` run on its own logs plain text.
 
 A record's `extra={"fields": {...}}` is merged into its line; `setup()` makes this the root handler's format."""
 
@@ -41,3 +40,7 @@ def setup(level: str | int = "INFO", fmt: str = "json") -> None:
         root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(level.upper() if isinstance(level, str) else level)
+    # JAX probes every platform it knows at start-up and logs the misses ("Unable to initialize backend 'tpu'",
+    # a missing libtpu.so) at INFO/WARNING: noise on a machine without them. Real failures still show.
+    for name in ("jax._src.xla_bridge",):
+        logging.getLogger(name).setLevel(logging.ERROR)

@@ -1,0 +1,142 @@
+"""The gRPC backend's settings: `ServerSettings` (the keys of a YAML file's `server:` section) beside the
+engine's `EngineConfig` (the `engine:` section), the backend's flags (`parser`), and `parse_args`: the flags
+on the defaults, for a run of this layer on its own (`python -m tpuserve.grpc_service`). `tpuserve grpc` and
+`tpuserve serve` (cli/backend.py) also read the `--config` file, with these flags on top. No JAX here:
+`tpuserve serve` checks the backend's command line with it before starting anything."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+from tpuserve.sampler.config import EngineConfig
+
+ENGINE_FLAGS = ("model", "max_queue", "max_n", "max_prompt_tokens", "max_queue_wait", "compilation_cache_dir")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    """Serve gRPC over TLS with `cert_file` (PEM chain) and `key_file`; with `client_ca_file`, clients must
+    present a certificate signed by it (mutual TLS)."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        pair = (pathlib.Path(self.key_file).read_bytes(), pathlib.Path(self.cert_file).read_bytes())
+        ca = pathlib.Path(self.client_ca_file).read_bytes() if self.client_ca_file else None
+        return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The backend process's settings; the YAML `server:` keys are these fields, the flags their long names."""
+
+    host: str = "0.0.0.0"
+    port: int = 50051
+    # Prometheus /metrics HTTP port on `host`; 0 = off. None (unset): off for `tpuserve grpc`, GRPC_PORT + 1
+    # under `tpuserve serve`.
+    metrics_port: int | None = None
+    log_prompts: bool = False
+    log_format: str = "json"
+    drain_timeout: float = 30.0  # seconds in-flight requests get on SIGTERM
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.log_format not in ("json", "text"):
+            raise ValueError(f"log_format must be json or text, not {self.log_format!r}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("TLS needs both --tls-cert-file and --tls-key-file")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
+
+    def tls(self) -> ServerTLS | None:
+        """TLS when a certificate is set, else None (plaintext)."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        return ServerTLS(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+
+
+def parser(prog: str = "python -m tpuserve.grpc_service") -> argparse.ArgumentParser:
+    """The backend's flags (`dest` = the field's name, None when not given): the server's and ENGINE_FLAGS."""
+    p = argparse.ArgumentParser(prog=prog, description="Serve a model over gRPC (tpuserve.v1).")
+    p.add_argument("--host", default=None, help="default 0.0.0.0")
+    p.add_argument("--port", type=int, default=None, help="default 50051")
+    p.add_argument("--model", default=None, help="GGUF file, HF model directory or Orbax checkpoint")
+    p.add_argument(
+        "--max-queue", type=int, default=None, help="requests waiting for a slot (then RESOURCE_EXHAUSTED)"
+    )
+    p.add_argument("--max-n", type=int, default=None, help="most samples per request (capped at the slots)")
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="longest prompt accepted (default: context length)",
+    )
+    p.add_argument(
+        "--compilation-cache-dir",
+        default=None,
+        help="JAX's persistent compilation cache (default $XDG_CACHE_HOME/tpuserve; 'none' = off)",
+    )
+    p.add_argument(
+        "--max-queue-wait",
+        type=float,
+        default=None,
+        help="seconds a request may wait for a slot, then RESOURCE_EXHAUSTED (default: no limit)",
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this HTTP port (0 = off)"
+    )
+    p.add_argument(
+        "--log-prompts",
+        action="store_true",
+        default=None,
+        help="include prompts in the per-request log lines",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=("json", "text"),
+        default=None,
+        help="default json (the tpuserve command; a run of this module alone logs text)",
+    )
+    p.add_argument(
+        "--drain-timeout", type=float, default=None, help="seconds in-flight requests get on SIGTERM (30)"
+    )
+    p.add_argument(
+        "--tls-cert-file", default=None, help="serve gRPC over TLS with this PEM certificate (chain)"
+    )
+    p.add_argument("--tls-key-file", default=None, help="the PEM private key of --tls-cert-file")
+    p.add_argument(
+        "--tls-client-ca-file",
+        default=None,
+        help="require client certificates signed by this CA (mutual TLS)",
+    )
+    return p
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[ServerSettings, EngineConfig]:
+    """The flags that were given on the defaults (no settings file: `tpuserve grpc --config` reads one). A bad
+    setting exits with a usage error naming it."""
+    p = parser()
+    ns = p.parse_args(argv)
+    try:
+        return _given(ServerSettings(), ns), _given(EngineConfig(), ns)
+    except ValueError as e:
+        p.error(str(e))
+
+
+def _given(defaults: T, ns: argparse.Namespace) -> T:
+    """`defaults` with the flags in `ns` that are its fields and were given (not None)."""
+    names = [f.name for f in dataclasses.fields(defaults)]  # type: ignore[arg-type]
+    given = {k: getattr(ns, k) for k in names if getattr(ns, k, None) is not None}
+    return dataclasses.replace(defaults, **given)  # type: ignore[type-var]

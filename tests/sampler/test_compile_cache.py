@@ -1,0 +1,59 @@
+"""JAX's persistent compilation cache (issue: start-up): a second start loads every program from the cache, a
+changed config compiles its own programs and serves the same tokens, and a corrupt or unwritable cache
+directory is a warning and a cold start. Each run is a fresh process (the cache setting is process-wide)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+SCRIPT = r"""
+import json, logging, sys
+logging.basicConfig(level=logging.WARNING)
+from tpuserve.cli.backend import load_config
+import jax
+from tpuserve.sampler.api import SlotParams
+from tpuserve.sampler.factory import load_engine
+hits = []
+jax.monitoring.register_event_listener(lambda name, **_: hits.append(1) if name.endswith("/cache_hits") else None)
+cfg = load_config(None, dict(slots=2, max_seq_len=int(sys.argv[2]), min_prefill_bucket=16, min_attend_bucket=64,
+                             min_batch_bucket=2, steps_per_call=4, compilation_cache_dir=sys.argv[1]))
+engine, tok, _ = load_engine(cfg)
+out = [engine.insert(engine.prefill(tok.encode("The capital of France is")), 0,
+                     SlotParams(max_tokens=9, temperature=0.0)).token_id]
+while len(out) < 9:
+    step = engine.generate()
+    out += [int(step.ids[n, 0]) for n in range(step.ids.shape[0]) if step.valid[n, 0]]
+print(json.dumps({"tokens": out[:9], "hits": len(hits)}))
+"""
+
+
+def _start(cache: str, max_seq_len: int = 64) -> tuple[dict, str]:
+    done = subprocess.run([sys.executable, "-c", SCRIPT, cache, str(max_seq_len)], check=False, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_warm_cache_changed_config_corrupt_and_unwritable_cache(tmp_path: pathlib.Path):
+    cache = tmp_path / "cache"
+    cold, _ = _start(str(cache))
+    entries = list(cache.iterdir())
+    assert len(entries) > 5 and cold["hits"] == 0
+    warm, _ = _start(str(cache))
+    assert warm["tokens"] == cold["tokens"]
+    assert warm["hits"] >= 5  # every warm-up program loaded from the cache
+    longer, _ = _start(str(cache), max_seq_len=128)  # other shapes: its own programs, the same tokens
+    assert longer["tokens"] == cold["tokens"] and len(list(cache.iterdir())) > len(entries)
+    for entry in cache.iterdir():
+        if entry.is_file():
+            entry.write_bytes(b"not a compiled program")
+    corrupt, _ = _start(str(cache))
+    assert corrupt["tokens"] == cold["tokens"]
+    blocker = tmp_path / "a-file"  # a cache directory that cannot be made: a warning and a cold start
+    blocker.write_text("not a directory")
+    unusable, stderr = _start(str(blocker / "cache"))
+    assert "compilation cache" in stderr and "not usable" in stderr
+    assert unusable["tokens"] == cold["tokens"] and unusable["hits"] == 0
