@@ -47,6 +47,7 @@ class Batch:
     """Concurrent streams: wall time = first request sent -> last token received (of any stream)."""
 
     results: list[StreamResult] = field(default_factory=list)
+    device_busy: float | None = None  # tpuserve: its decode calls' seconds over the wall time
 
     @property
     def start(self) -> float:

@@ -154,9 +154,15 @@ def single(ctx: Context) -> list[Row]:
 # ---- many concurrent streams -------------------------------------------------------------------------------
 
 
+DECODE_SECONDS = "tpuserve_backend_generate_call_seconds_sum"
+
+
 def _batch(side: Side, bodies: list[dict[str, Any]]) -> clients.Batch:
     side.idle()
+    busy = side.server.metric(DECODE_SECONDS)  # None for llama-server (no such endpoint)
     batch = clients.run(lambda: clients.concurrent(side.server.base_url, COMPLETIONS, bodies))
+    if busy is not None and (after := side.server.metric(DECODE_SECONDS)) is not None:
+        batch.device_busy = (after - busy) / batch.wall  # decode calls' time over the wall time
     _ok(batch.results, side)
     return batch
 
@@ -186,10 +192,41 @@ def many(ctx: Context) -> list[Row]:
         return [not_run("many", name, target, "no --llama-server", _tok_s(tpu))]
     llama = median([b.tok_s for b in samples[1]])
     note = _short(got, asked, early)
+    busy = [b.device_busy for b in samples[0] if b.device_busy is not None]
+    if busy:
+        note = (
+            note + "; " if note else ""
+        ) + f"tpuserve decode calls busy {100 * median(busy):.0f}% of the wall time"
     return [judged("many", name, _tok_s(tpu), f"llama-server: {_tok_s(llama)}", tpu / llama, target, note)]
 
 
 # ---- time to first token -----------------------------------------------------------------------------------
+
+TTFT_PARTS = ("queue_wait", "prefill", "delivery")
+
+
+def _ttft_parts(side: Side) -> dict[str, float | None]:
+    """The backend's cumulative TTFT histograms: the whole (gRPC received -> first token sent) and its parts."""
+    names = {"total": "tpuserve_backend_time_to_first_token_seconds"}
+    names |= {part: f"tpuserve_backend_ttft_{part}_seconds" for part in TTFT_PARTS}
+    out: dict[str, float | None] = {}
+    for key, metric in names.items():
+        out[f"{key}_sum"] = side.server.metric(metric + "_sum")
+        out[f"{key}_count"] = side.server.metric(metric + "_count")
+    return out
+
+
+def _ttft_breakdown(before: dict[str, float | None], after: dict[str, float | None]) -> Row | None:
+    """Where an idle request's first token spends its time inside the backend (means over the idle probes);
+    the rest of the HTTP TTFT is the gateway, gRPC and the client."""
+    name = "TTFT idle inside the backend: queue wait + prefill/insert + delivery (diagnostic)"
+    if any(v is None for v in (*before.values(), *after.values())):
+        return None  # a server without the backend's metrics
+    n = after["total_count"] - before["total_count"]
+    mean = {k: (after[f"{k}_sum"] - before[f"{k}_sum"]) / max(n, 1) for k in ("total", *TTFT_PARTS)}
+    parts = " + ".join(f"{1000 * mean[k]:.0f} ms {k.replace('_', ' ')}" for k in TTFT_PARTS)
+    total = f"{1000 * mean['total']:.0f} ms"
+    return Row("ttft", name, total, "—", None, "", "diagnostic", f"{n:.0f} requests: {parts}")
 
 
 def ttft(ctx: Context) -> list[Row]:
@@ -217,9 +254,11 @@ def ttft(ctx: Context) -> list[Row]:
     log(
         f"idle TTFT, {p.ttft_probes} x 2 endpoints per round: {', '.join(s.name for s in sides)}, {p.reps} rounds"
     )
+    before = _ttft_parts(ctx.tpu)
     samples = alternate([step(s) for s in sides], p.reps)
     ctx.raw["ttft"] = {side.name: s for side, s in zip(sides, samples)}
-    rows = []
+    breakdown = _ttft_breakdown(before, _ttft_parts(ctx.tpu))
+    rows = [breakdown] if breakdown is not None else []
     target = Target("<=", 3.0)
     for path, label in ((COMPLETIONS, "completions"), (CHAT, "chat")):
         values = [median([x for d in s for x in d[path]]) for s in samples]

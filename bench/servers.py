@@ -127,12 +127,16 @@ class Server:
         except FileNotFoundError:
             return "(no log)"
 
-    def compiles(self) -> float | None:
-        """tpuserve_backend_xla_compiles_total now (None: no metrics endpoint, or it did not answer)."""
+    def metric(self, name: str) -> float | None:
+        """A tpuserve backend metric now (None: no metrics endpoint, or it did not answer)."""
         if self.metrics_url is None:
             return None
         status, text = asyncio.run(clients.get_text(self.metrics_url, "/metrics"))
-        return clients.prometheus_sum(text, COMPILES_METRIC) if status == 200 else None
+        return clients.prometheus_sum(text, name) if status == 200 else None
+
+    def compiles(self) -> float | None:
+        """tpuserve_backend_xla_compiles_total now."""
+        return self.metric(COMPILES_METRIC)
 
 
 def tpuserve(workdir: pathlib.Path, config: str | None, name: str = "tpuserve") -> Server:

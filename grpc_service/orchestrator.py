@@ -1,5 +1,5 @@
 """The engine thread: commands in -> admission -> slots -> decode calls -> per-request events out (JetStream's
-"queues all the way down").
+"queues all the way down"). The waiting requests and the event loop's side of a request: admission.py.
 
 Threads and what each owns:
   event loop thread  (the gRPC servicer) each `RequestStream` and its asyncio queue; it calls `submit`, `cancel`,
@@ -9,8 +9,7 @@ Threads and what each owns:
                      and the decode call in flight. It blocks on the command queue when it has nothing to do,
                      never polls. After each turn it publishes `stats`, an immutable snapshot.
   other readers      (the metrics collector, tests) read `stats` (free slots, used KV positions) and `queued`
-                     (two counters: requests submitted, written by the event loop thread; requests that left
-                     the waiting deque, written by the engine thread).
+                     (WaitingQueue's two counters, each written by one thread).
 
 One turn of the engine thread: take every waiting command (submit, cancel, stop); admit waiting requests into free
 slots (prefill + insert: the first token is sampled there); dispatch the next decode call; then read back the
@@ -30,10 +29,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from tpuserve.grpc_service.admission import RequestStream, ShuttingDownError, WaitingQueue
 from tpuserve.grpc_service.jobs import (
     ErrorEvent,
     Event,
@@ -41,51 +41,12 @@ from tpuserve.grpc_service.jobs import (
     FirstTokenTiming,
     GenerationJob,
     PromptEvent,
-    SampleEvent,
     merge_events,
 )
 from tpuserve.grpc_service.sample import SampleTracker
 from tpuserve.sampler.api import Engine, Pending, StepArrays, TokenOut
 
 log = logging.getLogger(__name__)
-
-
-class QueueFullError(Exception):
-    """The admission queue is full; the servicer answers RESOURCE_EXHAUSTED."""
-
-
-class ShuttingDownError(Exception):
-    """The server no longer admits requests; the servicer answers UNAVAILABLE."""
-
-
-class RequestStream:
-    """The event loop's side of one request: its events, in order, until every sample has finished."""
-
-    def __init__(
-        self, job: GenerationJob, loop: asyncio.AbstractEventLoop, deadline: float | None = None
-    ) -> None:
-        self.job = job
-        self.submitted = time.monotonic()
-        self.deadline = deadline  # time.monotonic() by which the client stops waiting (its gRPC deadline)
-        self._loop = loop
-        self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
-
-    def deliver(self, events: list[Event]) -> None:
-        """Called on the engine thread."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, events)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
-
-    async def events(self) -> AsyncIterator[Event]:
-        open_samples = self.job.n
-        while open_samples > 0:
-            for event in await self._queue.get():
-                yield event
-                if isinstance(event, ErrorEvent):
-                    return
-                if isinstance(event, SampleEvent) and event.finish is not None:
-                    open_samples -= 1
 
 
 class Stats(NamedTuple):
@@ -126,36 +87,28 @@ class Orchestrator:
         max_queue_wait_s: float | None = None,
         prefill_budget: int | None = None,
     ) -> None:
-        if max_queue_wait_s is not None and max_queue_wait_s <= 0:
-            raise ValueError(f"max_queue_wait must be positive seconds (or unset), not {max_queue_wait_s}")
         self.engine = engine
-        self.max_queue = max_queue
-        self.max_queue_wait_s = max_queue_wait_s  # longer without a slot: RESOURCE_EXHAUSTED
         # prompt tokens prefilled per turn while streams decode; default: one chunk
         self.prefill_budget = prefill_budget or engine.prefill_chunk
         self._token_bytes = token_bytes
         self._special = frozenset(special_ids)
         self._commands: queue.SimpleQueue[tuple[str, RequestStream | None]] = queue.SimpleQueue()
-        self._places = threading.BoundedSemaphore(max_queue)  # waiting places; taken by submit
         self._admitting = True  # event loop thread
-        self._submitted = 0  # requests queued so far: written by the event loop thread only
-        self._left = 0  # requests that left the waiting deque so far: written by the engine thread only
         self._stopped = threading.Event()  # set by the engine thread when it has stopped
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()
         self.stats = Stats(engine.slots)  # published by the engine thread
         self.on_generate: Callable[[float], None] | None = None  # seconds per decode call (metrics)
         self.on_drop: Callable[[str], None] | None = None  # a queued request dropped, by gRPC status name
+        self._waiting = WaitingQueue(
+            max_queue, max_queue_wait_s, lambda code: self.on_drop and self.on_drop(code)
+        )
         # -- engine thread only --
-        self._waiting: collections.deque[RequestStream] = collections.deque()
-        self._cancelled: set[int] = set()  # id() of waiting streams whose client went away
         # a heap: the lowest free slot first, so occupied slots stay packed and decode runs on a small bucket
         self._free = list(range(engine.slots))
         self._owner: dict[int, tuple[_Running, int]] = {}
         self._running: dict[int, _Running] = {}  # id(stream) -> state
-        self._prefilling: collections.deque[_Running] = (
-            collections.deque()
-        )  # admitted, slots taken, prefilling
+        self._prefilling: collections.deque[_Running] = collections.deque()  # slots taken, prefilling
         self._firsts: list[tuple[_Running, int, Pending[TokenOut]]] = []  # inserted, first token not yet read
         self._inflight: _InFlight | None = None
         self._last_read = 0.0  # when the previous decode call's outputs were read (perf_counter)
@@ -181,12 +134,8 @@ class Orchestrator:
         then is dropped before it takes a slot, like one that waited longer than `max_queue_wait_s`."""
         if not self._admitting or self._stopped.is_set():
             raise ShuttingDownError("the server is shutting down and admits no new requests")
-        if not self._places.acquire(blocking=False):
-            raise QueueFullError(
-                f"the server is at capacity: {self.max_queue} requests are already waiting; retry later"
-            )
+        self._waiting.reserve()  # or QueueFullError
         stream = RequestStream(job, asyncio.get_running_loop(), deadline)
-        self._submitted += 1
         self._commands.put((_SUBMIT, stream))
         return stream
 
@@ -209,9 +158,8 @@ class Orchestrator:
 
     @property
     def queued(self) -> int:
-        """Requests waiting for a slot (one whose client went away counts until the engine thread has taken it
-        out); for metrics and tests. Two counters, each written by one thread."""
-        return self._submitted - self._left
+        """Requests waiting for a slot; for metrics and tests (see WaitingQueue.queued)."""
+        return self._waiting.queued
 
     # ---- the engine thread: the loop ------------------------------------------------------------------
 
@@ -264,7 +212,7 @@ class Orchestrator:
 
     def _turn(self) -> None:
         self._admit()  # first: a request that finds a free slot now is served, however long it waited
-        self._drop_expired()
+        self._waiting.drop_expired()
         self._advance_prefills()
         previous, self._inflight = self._inflight, None
         if self._owner:
@@ -285,65 +233,19 @@ class Orchestrator:
     def _cancel(self, stream: RequestStream) -> None:
         run = self._running.get(id(stream))
         if run is None:
-            if any(s is stream for s in self._waiting):
-                self._cancelled.add(id(stream))  # leaves the deque at the next admission or expiry pass
+            self._waiting.cancel(stream)  # if it still waits, it leaves at the next pass
             return
         for index in list(run.slots):
             run.outbox.append(run.trackers[index].end(Finish.CANCELLED))
             self._release(run, index)
         self._close_if_done(run)
 
-    def _leave_queue(self, stream: RequestStream) -> None:
-        self._waiting.remove(stream)
-        self._cancelled.discard(id(stream))
-        self._left += 1
-        self._places.release()
-
-    def _expiry(self, stream: RequestStream, now: float, max_wait: bool = True) -> ErrorEvent | None:
-        """Why a queued request must not wait any longer (its client's deadline, max_queue_wait), or None."""
-        if stream.deadline is not None and now >= stream.deadline:
-            return ErrorEvent("the request's deadline passed while it waited for a slot", "DEADLINE_EXCEEDED")
-        if max_wait and self.max_queue_wait_s is not None and now - stream.submitted >= self.max_queue_wait_s:
-            return ErrorEvent(
-                f"no slot was free within max_queue_wait = {self.max_queue_wait_s:g} s; retry later",
-                "RESOURCE_EXHAUSTED",
-            )
-        return None
-
-    def _drop(self, stream: RequestStream, event: ErrorEvent) -> None:
-        self._leave_queue(stream)
-        self._publish()  # before the client hears of it
-        stream.deliver([event])
-        if self.on_drop is not None:
-            self.on_drop(event.code)
-
-    def _drop_expired(self) -> None:
-        """After admission: end every request still waiting past its deadline or `max_queue_wait_s`, and take the
-        client-cancelled ones out of the deque."""
-        now = time.monotonic()
-        for stream in list(self._waiting):
-            if id(stream) in self._cancelled:
-                self._leave_queue(stream)
-            elif (event := self._expiry(stream, now)) is not None:
-                self._drop(stream, event)
-
     def _admit(self) -> None:
         """Waiting requests take their slots, first come first served, and start their prefill."""
-        while self._waiting:
-            stream = self._waiting[0]
-            if id(stream) in self._cancelled:
-                self._leave_queue(stream)
-                continue
-            # its client has stopped waiting: no slot for it. (max_queue_wait is not checked here: a request that
-            # finds a free slot is served however long it waited.)
-            if (event := self._expiry(stream, time.monotonic(), max_wait=False)) is not None:
-                self._drop(stream, event)
-                continue
-            job = stream.job
-            if job.max_tokens > 0 and len(self._free) < job.n:
+        while (stream := self._waiting.head()) is not None:
+            if stream.job.max_tokens > 0 and len(self._free) < stream.job.n:
                 return  # first come, first served: wait for slots
-            self._leave_queue(stream)
-            self._start(stream)
+            self._start(self._waiting.pop())
 
     # ---- the engine thread: engine calls --------------------------------------------------------------
 
@@ -419,9 +321,7 @@ class Orchestrator:
             self._fail_all(f"engine error: {exc}")
             return
         now = time.perf_counter()
-        if (
-            self.on_generate is not None
-        ):  # the call ran from its dispatch or from the end of the one before it
+        if self.on_generate is not None:  # the call ran from its dispatch or from the end of the one before
             self.on_generate(now - max(call.dispatched, self._last_read))
         self._last_read = now
         for step in range(steps.valid.shape[0]):
@@ -492,8 +392,5 @@ class Orchestrator:
         for run in list(self._running.values()):
             self._fail(run, message)
         if include_queued:
-            while self._waiting:
-                stream = self._waiting[0]
-                self._leave_queue(stream)
-                stream.deliver([ErrorEvent(message)])
+            self._waiting.fail_all(message)
         self._flush_outboxes()

@@ -9,10 +9,11 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
+from tpuserve.grpc_service.admission import QueueFullError, RequestStream, ShuttingDownError
 from tpuserve.grpc_service.convert import TokenConverter
 from tpuserve.grpc_service.jobs import Finish, PromptEvent, SampleEvent
 from tpuserve.grpc_service.metrics import BackendMetrics
-from tpuserve.grpc_service.orchestrator import Orchestrator, QueueFullError, RequestStream, ShuttingDownError
+from tpuserve.grpc_service.orchestrator import Orchestrator
 from tpuserve.grpc_service.validation import InvalidRequest, Limits, build_job, check_token_ids, render_chat
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2_grpc as pb_grpc

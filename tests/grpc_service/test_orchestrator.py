@@ -7,8 +7,9 @@ import threading
 import time
 
 import pytest
+from tpuserve.grpc_service.admission import QueueFullError
 from tpuserve.grpc_service.jobs import ErrorEvent, Finish, GenerationJob, PromptEvent, SampleEvent
-from tpuserve.grpc_service.orchestrator import Orchestrator, QueueFullError
+from tpuserve.grpc_service.orchestrator import Orchestrator
 from tpuserve.sampler.api import SlotParams
 
 from tests.grpc_service.fake_engine import FakeEngine, token_logprob
@@ -295,7 +296,7 @@ def test_first_token_is_sent_before_the_first_decode_call_finishes():
         return first, calls_then, [e async for e in events]
 
     try:
-        first, calls_then, rest = asyncio.run(main())
+        first, calls_then, _ = asyncio.run(main())
     finally:
         engine.gate.set()
         orch.close()
@@ -340,11 +341,11 @@ def test_one_decode_call_stays_in_flight():
 
 def test_a_long_prompt_is_prefilled_between_decode_calls():
     """While a stream decodes, a prompt of 5 chunks is prefilled one chunk per decode call, not all at once."""
-    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3], steps_per_call=2, prefill_chunk=4)
+    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3], steps_per_call=2, prefill_chunk=4, delay_s=0.005)
     orch = make(engine)
 
     async def main():
-        running = orch.submit(job(prompt=(1, 2), max_tokens=40))
+        running = orch.submit(job(prompt=(1, 2), max_tokens=400))  # decodes for ~1 s, all through the test
         first = await running.events().__anext__()
         engine.log.clear()
         long = await collect(orch, job(prompt=tuple([1, 2, 3, 4] * 5), max_tokens=3))

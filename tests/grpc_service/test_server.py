@@ -49,7 +49,7 @@ def test_health_flips_to_serving_after_warmup_and_model_info_says_how_far(tokeni
         progress(2, 2, "decode 128 positions x 8 rows", 0.5)
 
     server = ServerThread(make_engine(tokenizer), tokenizer, wait_ready=False, warmup=warmup)
-    info = lambda: server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5).readiness  # noqa: E731
+    info = lambda: server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5).readiness
     try:
         assert health_of(server.channel) == NOT_SERVING and health_of(server.channel, SERVICE) == NOT_SERVING
         wait_until(lambda: info() == "warming up 1/2: prefill bucket 16")
