@@ -29,34 +29,38 @@ def calls(engine):
 
 
 def _others(tok, slots):
-    return [(s, tok.encode(f"Request {s}: " + PROMPTS[s % 3]), SlotParams(max_tokens=24, temperature=0.8, seed=s))
+    return [(s, tok.encode(f"Request {s}: " + PROMPTS[s % 3]), SlotParams(max_tokens=20, temperature=0.8, seed=s))
             for s in slots]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "params",
-    [SlotParams(max_tokens=20, temperature=0.0), SlotParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=77)],
-    ids=["greedy", "seeded"],
-)
-def test_bit_identical_alone_beside_7_and_beside_63(engine, embedded, calls, params):
+GREEDY = SlotParams(max_tokens=16, temperature=0.0)
+SEEDED = SlotParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=77)
+
+
+def test_bit_identical_alone_beside_7_and_beside_63(engine, embedded, calls):
+    """A greedy and a seeded request (slots s, s+1) alone, beside 7 others and beside 62 others."""
     assert engine.batch_buckets == [8, 16, 32, 64]
     tok = embedded.tokenizer
     ids = tok.encode(PROMPTS[0])
+
+    def mine(first: int) -> list:
+        return [(first, ids, GREEDY), (first + 1, ids, SEEDED)]
+
     calls.clear()
-    alone, _ = run(engine, [(0, ids, params)])
-    assert set(calls) == {8}, "a lone request in slot 0 decodes on the 8-row bucket"
+    alone, _ = run(engine, mine(0))
+    assert set(calls) == {8}, "requests in slots 0-1 decode on the 8-row bucket"
     calls.clear()
-    seven, _ = run(engine, _others(tok, range(7)) + [(12, ids, params)])
-    assert set(calls) == {16}, "slot 12 needs the 16-row bucket"
+    seven, _ = run(engine, _others(tok, range(7)) + mine(12))
+    assert set(calls) == {16}, "slots 12-13 need the 16-row bucket"
     calls.clear()
-    crowded, _ = run(engine, _others(tok, range(1, 64)) + [(0, ids, params)])
+    crowded, _ = run(engine, _others(tok, range(2, 64)) + mine(0))
     assert 64 in calls
-    ref = alone[0]
-    for other in (seven[12], crowded[0]):
-        assert other[0] == ref[0]  # token ids
-        assert np.array_equal(np.array(other[1]), np.array(ref[1]))  # sampled-token logprobs, bit for bit
-        assert np.array_equal(np.stack(other[2]), np.stack(ref[2]))  # top-20 ids
-        assert np.array_equal(np.stack(other[3]), np.stack(ref[3]))  # top-20 logprobs
+    for ref, others in ((alone[0], (seven[12], crowded[0])), (alone[1], (seven[13], crowded[1]))):
+        for other in others:
+            assert other[0] == ref[0]  # token ids
+            assert np.array_equal(np.array(other[1]), np.array(ref[1]))  # sampled-token logprobs, bit for bit
+            assert np.array_equal(np.stack(other[2]), np.stack(ref[2]))  # top-20 ids
+            assert np.array_equal(np.stack(other[3]), np.stack(ref[3]))  # top-20 logprobs
 
 
 def test_buckets_never_go_below_two_rows(embedded):

@@ -115,21 +115,6 @@ def test_seeded_sampling_is_reproducible_in_any_slot(engine, embedded):
     assert k1[0][0] == greedy[0][0]
 
 
-def test_batch_invariance_alone_vs_63_others(engine, embedded):
-    ids = chat_ids(embedded.tokenizer, "Explain gravity in one sentence.")
-    params = SlotParams(max_tokens=16, temperature=0.0)
-    alone, _ = run_engine(engine, [(20, ids, params)])
-    others = [
-        (s, embedded.tokenizer.encode(f"Request {s}: " + PROMPTS[s % 3]),
-         SlotParams(max_tokens=16, temperature=0.7, seed=s))
-        for s in range(64) if s != 33
-    ]  # fmt: skip
-    crowded, _ = run_engine(engine, others + [(33, ids, params)])
-    assert crowded[33][0] == alone[20][0]
-    assert np.array_equal(np.array(crowded[33][1]), np.array(alone[20][1]))  # bit-identical logprobs
-    assert np.array_equal(np.stack(crowded[33][3]), np.stack(alone[20][3]))
-
-
 def test_no_compilation_after_warm_up(engine, embedded):
     import jax
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from tpuserve.sampler.sampling import processed_logits, sample
 
 
