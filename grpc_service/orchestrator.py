@@ -11,13 +11,11 @@ Threads and what each owns:
   other readers      (the metrics collector, tests) read `stats` (free slots, used KV positions) and `queued`
                      (WaitingQueue's two counters, each written by one thread).
 
-One turn of the engine thread: take every waiting command (submit, cancel, stop); admit waiting requests into free
-slots (prefill + insert: the first token is sampled there); dispatch the next decode call; then read back the
-previous call (one call stays in flight, so detokenizing and streaming overlap the device) and the new first
-tokens; hand each request its events (several tokens of a sample in one event).
-A request takes its slots when it leaves the waiting deque and is then prefilled chunk by chunk: while requests
-are decoding, each turn queues at most about `prefill_budget` prompt tokens of prefill (at least one step), so
-arriving prompts never stall running streams for more than about one prefill chunk.
+One turn: take every waiting command; admit waiting requests into free slots (they are then prefilled chunk by
+chunk: while others decode, at most about `prefill_budget` prompt tokens a turn, so a running stream never waits
+for more than about one chunk); insert them (the first token is sampled there); dispatch the next decode call
+unless nobody can use it; read back the previous call (one stays in flight, so detokenizing and streaming
+overlap the device) and the new first tokens; hand each request its events (a sample's tokens in one event).
 """
 
 from __future__ import annotations
@@ -33,16 +31,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from tpuserve.grpc_service import jobs
 from tpuserve.grpc_service.admission import RequestStream, ShuttingDownError, WaitingQueue
-from tpuserve.grpc_service.jobs import (
-    ErrorEvent,
-    Event,
-    Finish,
-    FirstTokenTiming,
-    GenerationJob,
-    PromptEvent,
-    merge_events,
-)
+from tpuserve.grpc_service.jobs import ErrorEvent, Event, Finish, GenerationJob, PromptEvent
 from tpuserve.grpc_service.sample import SampleTracker
 from tpuserve.sampler.api import Engine, Pending, StepArrays, TokenOut
 
@@ -54,7 +45,7 @@ class Stats(NamedTuple):
     used_positions: int = 0  # KV-cache positions of the samples holding slots (prompt + generated)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Running:
     stream: RequestStream
     trackers: list[SampleTracker]
@@ -103,8 +94,7 @@ class Orchestrator:
         self._waiting = WaitingQueue(
             max_queue, max_queue_wait_s, lambda code: self.on_drop and self.on_drop(code)
         )
-        # -- engine thread only --
-        # a heap: the lowest free slot first, so occupied slots stay packed and decode runs on a small bucket
+        # engine thread only. A heap, lowest free slot first: occupied slots stay packed (small batch buckets)
         self._free = list(range(engine.slots))
         self._owner: dict[int, tuple[_Running, int]] = {}
         self._running: dict[int, _Running] = {}  # id(stream) -> state
@@ -197,8 +187,7 @@ class Orchestrator:
         block = not self._busy()
         while True:
             try:
-                # an idle thread waits for the next command; with waiting requests it only looks, a few times a
-                # second, so that their deadlines are kept even when nothing runs
+                # idle: wait for the next command; busy: look and go on
                 kind, stream = self._commands.get(block=block, timeout=None if not self._waiting else 0.05)
             except queue.Empty:
                 return True
@@ -215,7 +204,7 @@ class Orchestrator:
         self._waiting.drop_expired()
         self._advance_prefills()
         previous, self._inflight = self._inflight, None
-        if self._owner:
+        if self._wants_tokens(previous):
             self._dispatch_decode()
         if previous is not None:
             self._read_decode(previous)
@@ -303,6 +292,21 @@ class Orchestrator:
             return
         self._close_if_done(run)
 
+    def _wants_tokens(self, inflight: _InFlight | None) -> bool:
+        """Whether another decode call can make a token someone wants: not when every sample in a slot reaches
+        its max_tokens with the tokens already on their way (the call in flight, a first token not yet read).
+        A call nobody needs would keep the device busy, and a request arriving next would wait for it."""
+        firsts = {(id(run), index) for run, index, _ in self._firsts}
+        for slot, (run, index) in self._owner.items():
+            tracker = run.trackers[index]
+            coming = int((id(run), index) in firsts)
+            owner = inflight.owners.get(slot) if inflight is not None else None
+            if owner is not None and owner[0] is run and owner[1] == index:
+                coming += self.engine.steps_per_call
+            if tracker.generated + coming < tracker.max_tokens:
+                return True
+        return False
+
     def _dispatch_decode(self) -> None:
         dispatched = time.perf_counter()
         try:
@@ -348,7 +352,7 @@ class Orchestrator:
         if event is not None:
             if index not in run.timed and event.tokens:
                 run.timed.add(index)
-                event.timing = FirstTokenTiming(run.stream.submitted, run.admitted, time.monotonic())
+                event.timing = jobs.FirstTokenTiming(run.stream.submitted, run.admitted, time.monotonic())
             run.outbox.append(event)
         if run.trackers[index].finished:
             self._release(run, index)
@@ -373,7 +377,7 @@ class Orchestrator:
         self._publish()  # before any client hears of what this turn did
         for run in [*self._running.values(), *self._closed]:
             if run.outbox:
-                run.stream.deliver(merge_events(run.outbox))
+                run.stream.deliver(jobs.merge_events(run.outbox))
                 run.outbox = []
         self._closed.clear()
 

@@ -360,3 +360,16 @@ def test_a_long_prompt_is_prefilled_between_decode_calls():
     assert len(steps) == 5
     assert all(engine.log[i + 1] == "generate" for i in steps[:-1])  # a decode call after every chunk
     assert samples(long)[0][-1].finish is Finish.LENGTH
+
+
+def test_no_decode_call_nobody_needs():
+    """When the call in flight already brings every sample to its max_tokens, no further call is dispatched (a
+    request arriving next would otherwise wait for a call whose tokens nobody wants)."""
+    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3], steps_per_call=4)
+    orch = make(engine)
+    try:
+        events = asyncio.run(collect(orch, job(max_tokens=9)))  # 1 at insert + 2 calls of 4
+    finally:
+        orch.close()
+    assert samples(events)[0][-1].completion_tokens == 9
+    assert engine.generate_calls == 2
