@@ -187,8 +187,7 @@ class Orchestrator:
         block = not self._busy()
         while True:
             try:
-                # idle: wait for the next command; busy: look and go on
-                kind, stream = self._commands.get(block=block, timeout=None if not self._waiting else 0.05)
+                kind, stream = self._commands.get(block=block)  # idle: wait for one; busy: look and go on
             except queue.Empty:
                 return True
             if kind == _STOP:
