@@ -202,6 +202,7 @@ class Orchestrator:
         self._admit()  # first: a request that finds a free slot now is served, however long it waited
         self._waiting.drop_expired()
         self._advance_prefills()
+        self._publish()  # the slots just taken: readers see them during the decode read that follows
         previous, self._inflight = self._inflight, None
         if self._wants_tokens(previous):
             self._dispatch_decode()
