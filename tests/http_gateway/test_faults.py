@@ -281,7 +281,7 @@ def test_160_streams_closed_mid_generation_free_every_slot(real_backend) -> None
 
     async def main() -> tuple[int, int]:
         limits = httpx.Limits(max_connections=n_clients + 10, max_keepalive_connections=0)
-        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as http:
+        async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as http:
             hold = asyncio.Event()
             seen: list[int] = []
             tasks = [asyncio.create_task(client(http, i, hold, seen)) for i in range(n_clients)]
