@@ -313,7 +313,7 @@ def test_160_streams_closed_mid_generation_free_every_slot(real_backend) -> None
         busy, queued = asyncio.run(main())
         assert busy == slots, f"only {busy} of {slots} slots were generating when the clients left"
         assert queued > 0, "the clients beyond the slot count should have been queued"
-        ok = wait_until(lambda: orch.free_slots == slots and orch.queued == 0, timeout=15)
+        ok = wait_until(lambda: orch.free_slots == slots and orch.queued == 0, timeout=180)
         assert ok, (
             f"{slots - orch.free_slots} slots still held, {orch.queued} queued, after {time.monotonic() - t0:.1f}s"
         )
