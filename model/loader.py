@@ -14,7 +14,7 @@ import numpy as np
 from tpuserve.model import checkpoint
 from tpuserve.model.config import ModelConfig, ModelLoadError, config_from_hf
 from tpuserve.model.embedded import EMBEDDED_MODEL_ID, default_model_path
-from tpuserve.model.llama import Llama
+from tpuserve.model.llama import Llama, module_params
 
 
 @dataclass
@@ -26,8 +26,15 @@ class LoadedModel:
     source: str
     load_seconds: float
 
-    def module(self) -> Llama:
-        return Llama(self.config, self.params)
+    def module(self, scan_layers: bool = True, mesh: jax.sharding.Mesh | None = None) -> Llama:
+        """The decoder over a copy of the weights in its own layout (`llama.module_params`): a stacked layer
+        scan, or unrolled over per-layer arrays; with a mesh, placed by the sharding rules."""
+        params = module_params(self.config, self.params, scan_layers)
+        if mesh is not None:
+            from tpuserve.model.sharding import module_shardings
+
+            params = jax.device_put(params, module_shardings(mesh, params))
+        return Llama(self.config, params)
 
 
 def resolve_path(path: str | pathlib.Path | None) -> pathlib.Path:

@@ -5,12 +5,13 @@ A dimension that the mesh axis does not divide is replicated instead (e.g. SmolL
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tpuserve.model.config import ModelConfig
-from tpuserve.model.llama import CACHE_AXES, PARAM_AXES, param_shapes
+from tpuserve.model.llama import BLOCK_AXES, CACHE_AXES, PARAM_AXES, param_shapes
 
 DEFAULT_RULES = {
     "heads": "model",
@@ -55,7 +56,23 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = 
     }
 
 
+def module_shardings(mesh: Mesh, params: dict[str, Any], rules: ShardingRules | None = None) -> dict[str, Any]:
+    """Shardings for parameters in the module layout (`llama.module_params`), the same tree."""
+    rules = rules or ShardingRules()
+
+    def place(axes: tuple[str | None, ...], arr) -> NamedSharding:
+        return NamedSharding(mesh, rules.spec(mesh, axes, arr.shape))
+
+    out: dict[str, Any] = {n: place(PARAM_AXES[n], a) for n, a in params.items() if n != "layers"}
+    layers = params["layers"]
+    if isinstance(layers, dict):  # stacked
+        out["layers"] = {n: place(("layers", *BLOCK_AXES[n]), a) for n, a in layers.items()}
+    else:
+        out["layers"] = [{n: place(BLOCK_AXES[n], a) for n, a in layer.items()} for layer in layers]
+    return out
+
+
 def cache_sharding(cfg: ModelConfig, mesh: Mesh, slots: int, max_len: int, rules: ShardingRules | None = None):
     rules = rules or ShardingRules()
-    shape = (cfg.num_layers, slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, slots, cfg.num_kv_heads, max_len, cfg.head_dim)
     return NamedSharding(mesh, rules.spec(mesh, CACHE_AXES, shape))

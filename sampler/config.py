@@ -23,6 +23,10 @@ class EngineConfig:
     # request's tokens and logprobs are bit-identical whatever the bucket (tests/sampler/test_batch_invariance.py).
     # null: always all slots.
     min_batch_bucket: int | None = 8
+    # The decoder's layer loop: a `lax.scan` over stacked weights (one compiled layer), or unrolled over per-layer
+    # arrays: XLA:CPU copies a scanned weight slice, so unrolled decodes ~20 % faster there but compiles 3-6x
+    # longer (measured: decode 8 rows 150 vs 184 ms per step, compile 6.5 vs 2.2 s).
+    scan_layers: bool = True
     processed_logprobs: bool = False  # raw logprobs (OpenAI's at temperature 0) unless set
     model_parallel: int = 1  # mesh "model" axis size (heads / MLP / KV heads)
     data_parallel: int = 1  # mesh "data" axis size (slots)

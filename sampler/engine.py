@@ -59,7 +59,7 @@ def bucket_for(n: int, buckets: list[int]) -> int:
 
 @dataclass
 class Prefix:
-    cache: object  # KVCache [L, 1, Lp, Hkv, D] on the device
+    cache: object  # KVCache [L, 1, Hkv, Lp, D] on the device
     last_logits: jax.Array  # [V]
     prompt_len: int
     prompt: tuple | None  # device arrays (logprobs [Lp-1], top_ids [Lp-1, K], top_logprobs [Lp-1, K])
@@ -83,6 +83,7 @@ class JaxEngine(Engine):
         min_batch_bucket: int | None = 8,
         processed_logprobs: bool = False,
         cache_dtype: str | None = None,
+        scan_layers: bool = True,
         mesh=None,
     ):
         self.config = loaded.config
@@ -98,7 +99,8 @@ class JaxEngine(Engine):
         # None: always all slots. Buckets never go below 2 rows (a 1-row product rounds differently).
         smallest = max(min_batch_bucket or slots, MIN_BATCH_BUCKET)
         self.batch_buckets = power_of_two_buckets(min(smallest, slots), slots)
-        module = loaded.module()
+        self.scan_layers = scan_layers
+        module = loaded.module(scan_layers=scan_layers, mesh=mesh)
         self.graphdef, self.params = nnx.split(module)  # split once; programs merge inside jit
         dtype = jnp.dtype(cache_dtype) if cache_dtype else module.embed.value.dtype
         self.cache_dtype = dtype

@@ -37,6 +37,7 @@ def load_engine(cfg: EngineConfig) -> tuple[JaxEngine, Tokenizer, str]:
         min_attend_bucket=cfg.min_attend_bucket,
         min_batch_bucket=cfg.min_batch_bucket,
         processed_logprobs=cfg.processed_logprobs,
+        scan_layers=cfg.scan_layers,
         mesh=mesh,
     )
     if cfg.warm_up:

@@ -70,7 +70,7 @@ def init_slot_sampling(slots: int) -> SlotSampling:
 
 @struct.dataclass
 class DecodeState:
-    cache: KVCache  # [L, B, S, Hkv, D] each
+    cache: KVCache  # [L, B, Hkv, S, D] each
     lengths: jax.Array  # i32[B]: tokens in the cache = position the next fed token takes
     last: jax.Array  # i32[B]: last sampled token, fed to the next step
     active: jax.Array  # bool[B]: slot generating

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tpuserve.model.llama import Llama, init_cache
+from tpuserve.model.llama import init_cache
 
 from tests.helpers import require_extra
 
@@ -19,7 +19,7 @@ TEXT = (
 
 
 def teacher_forced(model_loaded, ids: list[int]) -> np.ndarray:
-    m = Llama(model_loaded.config, model_loaded.params)
+    m = model_loaded.module()
     T = len(ids)
     hidden, _ = m(jnp.asarray([ids]), jnp.arange(T)[None], init_cache(model_loaded.config, 1, T), T)
     return np.asarray(jax.nn.log_softmax(m.logits(hidden[0]), axis=-1))

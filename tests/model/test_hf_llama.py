@@ -15,7 +15,7 @@ transformers = require_extra("transformers")
 
 import jax.numpy as jnp
 from tpuserve.model import checkpoint
-from tpuserve.model.llama import Llama, init_cache
+from tpuserve.model.llama import init_cache
 from tpuserve.model.loader import convert, load_model
 
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -54,8 +54,8 @@ def reference_logits(model, ids: list[int]) -> np.ndarray:
         return model(torch.tensor([ids])).logits[0].float().numpy()
 
 
-def our_logits(loaded, ids: list[int]) -> np.ndarray:
-    m = Llama(loaded.config, loaded.params)
+def our_logits(loaded, ids: list[int], scan_layers: bool = False) -> np.ndarray:
+    m = loaded.module(scan_layers=scan_layers)
     T = len(ids)
     hidden, _ = m(jnp.asarray([ids]), jnp.arange(T)[None], init_cache(loaded.config, 1, T), T)
     return np.asarray(m.logits(hidden[0]))
@@ -70,6 +70,8 @@ def test_logits_match_transformers_from_safetensors_and_orbax(hf_model_dir, tmp_
     if name == "qwen2-bias":
         assert (path / "model.safetensors.index.json").exists() and loaded.config.attention_bias
     assert np.abs(our_logits(loaded, ids) - ref).max() < 1e-4
+    # both layer loops: unrolled over per-layer arrays (CPU default) and a scan over stacked ones (TPU/GPU)
+    assert np.abs(our_logits(loaded, ids, scan_layers=True) - ref).max() < 1e-4
     if name == "mistral-window8":
         assert loaded.config.sliding_window == 8
         # the window changes the result (the test would not notice a model that ignores it)
