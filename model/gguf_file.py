@@ -10,8 +10,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tpuserve.model.config import ModelConfig, ModelLoadError, config_from_gguf_fields
+from tpuserve.model.progress import LoadProgress
 from tpuserve.model.weights_stack import LayerStacker
-from tqdm import tqdm
 
 _LAYER_MAP = {
     "attn_norm.weight": "attn_norm",
@@ -77,25 +77,29 @@ def load_gguf_weights(
     reader: GGUFReader, cfg: ModelConfig, path: pathlib.Path, cast: Callable[[str, np.ndarray], object]
 ) -> dict[str, object]:
     stacker = LayerStacker(cfg, cast)
-    permute = cfg.architecture in ("llama", "mistral")  # llama.cpp permutes q/k only for these
-    for tensor in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=None):
-        name = tensor.name
-        if name in _SKIPPED:
-            continue
-        arr = tensor_array(tensor, path)
-        if name.startswith("blk."):
-            _, idx, rest = name.split(".", 2)
-            ours = _LAYER_MAP.get(rest)
-            if ours is None:
-                raise ModelLoadError(f"{path}: unexpected tensor {name}")
-            if permute and ours in ("wq", "bq"):
-                arr = unpermute_qk(arr, cfg.num_heads)
-            elif permute and ours in ("wk", "bk"):
-                arr = unpermute_qk(arr, cfg.num_kv_heads)
-            stacker.add_layer(int(idx), ours, arr)  # [out, in], as llama.Llama keeps it
-        elif name in _TOP_MAP:
-            ours = _TOP_MAP[name]
-            stacker.add_top(ours, arr)
-        else:
-            raise ModelLoadError(f"{path}: unexpected tensor {name}")
+    with LoadProgress(f"loading {path.name}", total=len(reader.tensors)) as bar:
+        for tensor in reader.tensors:
+            if tensor.name not in _SKIPPED:
+                _add_tensor(stacker, tensor, cfg, path)
+            bar.update()
     return stacker.finish(str(path))
+
+
+def _add_tensor(stacker: LayerStacker, tensor: Any, cfg: ModelConfig, path: pathlib.Path) -> None:
+    name = tensor.name
+    arr = tensor_array(tensor, path)
+    permute = cfg.architecture in ("llama", "mistral")  # llama.cpp permutes q/k only for these
+    if name.startswith("blk."):
+        _, idx, rest = name.split(".", 2)
+        ours = _LAYER_MAP.get(rest)
+        if ours is None:
+            raise ModelLoadError(f"{path}: unexpected tensor {name}")
+        if permute and ours in ("wq", "bq"):
+            arr = unpermute_qk(arr, cfg.num_heads)
+        elif permute and ours in ("wk", "bk"):
+            arr = unpermute_qk(arr, cfg.num_kv_heads)
+        stacker.add_layer(int(idx), ours, arr)  # [out, in], as llama.Llama keeps it
+    elif name in _TOP_MAP:
+        stacker.add_top(_TOP_MAP[name], arr)
+    else:
+        raise ModelLoadError(f"{path}: unexpected tensor {name}")

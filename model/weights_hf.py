@@ -9,8 +9,8 @@ from collections.abc import Callable
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from tpuserve.model.config import ModelConfig, ModelLoadError
+from tpuserve.model.progress import LoadProgress
 from tpuserve.model.weights_stack import LayerStacker
-from tqdm import tqdm
 
 # transformers name (after "model.layers.{i}.") -> our name; layouts are the same ([out, in] matrices)
 _LAYER_MAP = {
@@ -58,7 +58,7 @@ def load_hf_weights(
     """Read every tensor, map it to our names/layouts, stack the blocks, cast (and place) each parameter."""
     stacker = LayerStacker(cfg, cast)
     files = safetensors_files(directory)
-    with tqdm(desc=f"loading {directory.name}", unit="tensor", disable=None) as bar:
+    with LoadProgress(f"loading {directory.name}") as bar:
         for f in files:
             try:
                 with safe_open(str(f), framework="numpy") as st:

@@ -4,6 +4,8 @@ after a round trip through Orbax."""
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 
 import numpy as np
 import pytest
@@ -61,11 +63,14 @@ def our_logits(loaded, ids: list[int], scan_layers: bool = False) -> np.ndarray:
     return np.asarray(m.logits(hidden[0]))
 
 
-def test_logits_match_transformers_from_safetensors_and_orbax(hf_model_dir, tmp_path):
+def test_logits_match_transformers_from_safetensors_and_orbax(hf_model_dir, tmp_path, caplog):
     name, path, model = hf_model_dir
     ids = list(np.random.default_rng(1).integers(0, BASE["vocab_size"], size=40))
     ref = reference_logits(model, ids)
-    loaded = load_model(path, with_tokenizer=False)
+    with caplog.at_level(logging.INFO, logger="tpuserve.model.loader"):
+        loaded = load_model(path, with_tokenizer=False)
+    # not a terminal: the load's progress is a log line (a bar on a terminal)
+    assert re.search(rf"loading {path.name}: \d+ tensors in [\d.]+ s", caplog.text), caplog.text
     assert loaded.config.architecture == name.split("-")[0]
     if name == "qwen2-bias":
         assert (path / "model.safetensors.index.json").exists() and loaded.config.attention_bias
