@@ -61,6 +61,7 @@ class _InFlight:
     result: Pending[StepArrays]
     owners: dict[int, tuple[_Running, int]]  # slot -> (request, sample) when the call was dispatched
     dispatched: float  # time.perf_counter()
+    steps: int  # tokens the call makes per sample at most
 
 
 _SUBMIT, _CANCEL, _STOP = "submit", "cancel", "stop"
@@ -302,7 +303,7 @@ class Orchestrator:
             coming = int((id(run), index) in firsts)
             owner = inflight.owners.get(slot) if inflight is not None else None
             if owner is not None and owner[0] is run and owner[1] == index:
-                coming += self.engine.steps_per_call
+                coming += inflight.steps
             if tracker.generated + coming < tracker.max_tokens:
                 return True
         return False
@@ -310,12 +311,13 @@ class Orchestrator:
     def _dispatch_decode(self) -> None:
         dispatched = time.perf_counter()
         try:
+            steps = self.engine.next_call_steps()
             result = self.engine.start_generate()
         except Exception as exc:
             log.exception("engine.start_generate failed")
             self._fail_all(f"engine error: {exc}")
             return
-        self._inflight = _InFlight(result, dict(self._owner), dispatched)
+        self._inflight = _InFlight(result, dict(self._owner), dispatched, steps)
 
     def _read_decode(self, call: _InFlight) -> None:
         try:

@@ -105,7 +105,7 @@ class Engine(abc.ABC):
 
     slots: int
     max_seq_len: int
-    steps_per_call: int
+    steps_per_call: int  # the most steps one generate call makes
     vocab_size: int
     top_k_width: int = MAX_TOP_LOGPROBS
     prefill_chunk: int = 512  # prompt tokens one prefill step computes at most
@@ -118,6 +118,11 @@ class Engine(abc.ABC):
         """`prefill` one chunk per `next()`: None until the last step yields the prefix. The engine thread puts
         decode calls between the chunks of a long prompt, so running streams never wait for a whole prompt."""
         yield self.prefill(tokens, want_prompt_logprobs)
+
+    def next_call_steps(self) -> int:
+        """Steps the next generate call will make (its output's N): steps_per_call unless the engine varies it
+        with the load."""
+        return self.steps_per_call
 
     def prefill_cost(self, prompt_len: int) -> int:
         """Prompt positions one prefill step computes for a prompt of this length (its padded chunk)."""

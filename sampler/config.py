@@ -15,7 +15,10 @@ class EngineConfig:
     dtype: str = "float32"  # float32 on CPU (bf16 runs ~10x slower on XLA:CPU); bfloat16 on TPU/GPU
     slots: int = 64  # B: decode batch (64 users at once; one user decodes on the smallest batch bucket)
     max_seq_len: int = 512  # S: prompt + generated tokens per sample
-    steps_per_call: int = 8  # N: fused decode steps per generate call
+    steps_per_call: int = 8  # N: fused decode steps per generate call on the smallest batch bucket
+    # Larger buckets make fewer steps per call (rows x steps stays that of the smallest bucket; 64 rows: 1 step),
+    # so a request arriving under load waits for a short call; this is the floor (= steps_per_call: fixed N).
+    min_steps_per_call: int = 1
     min_prefill_bucket: int = 16
     prefill_chunk: int = 256  # a running stream waits at most about one chunk of someone else's prefill
     min_attend_bucket: int = 128

@@ -77,6 +77,7 @@ class JaxEngine(Engine):
         slots: int = 8,
         max_seq_len: int = 512,
         steps_per_call: int = 8,
+        min_steps_per_call: int = 1,
         min_prefill_bucket: int = 32,
         prefill_chunk: int = 512,
         min_attend_bucket: int = 128,
@@ -99,6 +100,12 @@ class JaxEngine(Engine):
         # None: always all slots. Buckets never go below 2 rows (a 1-row product rounds differently).
         smallest = max(min_batch_bucket or slots, MIN_BATCH_BUCKET)
         self.batch_buckets = power_of_two_buckets(min(smallest, slots), slots)
+        # N per batch bucket: steps_per_call on the smallest, fewer on larger ones (rows x steps no more than the
+        # smallest bucket's, but at least min_steps_per_call), so a call lasts about as long whatever the load
+        # and a request that arrives waits for about one such call, not for N steps of 64 rows.
+        floor = min(min_steps_per_call, steps_per_call)
+        work = steps_per_call * self.batch_buckets[0]
+        self.call_steps = {b: max(floor, work // b) for b in self.batch_buckets}
         self.scan_layers = scan_layers
         module = loaded.module(scan_layers=scan_layers, mesh=mesh)
         self.graphdef, self.params = nnx.split(module)  # split once; programs merge inside jit
@@ -107,7 +114,7 @@ class JaxEngine(Engine):
         self.kv_cache_bytes = cache_bytes(loaded.config, slots, max_seq_len, dtype)
         self.mesh = mesh
         self.state = self._place(init_decode_state(loaded.config, slots, max_seq_len, dtype))
-        cfg = ProgramConfig(K=MAX_TOP_LOGPROBS, steps=steps_per_call, chunk=prefill_chunk,
+        cfg = ProgramConfig(K=MAX_TOP_LOGPROBS, chunk=prefill_chunk,
                             max_seq_len=max_seq_len, processed_logprobs=processed_logprobs)  # fmt: skip
         self.programs = build_programs(self.graphdef, cfg)
         # Host bookkeeping, never read back from the device: which slots hold a sample, and an upper bound of
@@ -186,21 +193,25 @@ class JaxEngine(Engine):
     def insert(self, prefix: Prefix, slot: int, params: SlotParams) -> TokenOut:
         return self.start_insert(prefix, slot, params).result()
 
-    def buckets(self) -> tuple[int, int]:
-        """(attend_len, batch) of the next decode call: they cover every occupied slot for N more steps."""
+    def buckets(self) -> tuple[int, int, int]:
+        """(attend_len, batch, steps) of the next decode call: they cover every occupied slot for its steps."""
         live = np.flatnonzero(self._occupied)
         longest = int(self._length_bound[live].max()) if live.size else 0
-        attend = bucket_for(min(longest + self.steps_per_call, self.max_seq_len), self.attend_buckets)
         batch = bucket_for(int(live.max()) + 1 if live.size else 1, self.batch_buckets)
-        return attend, batch
+        steps = self.call_steps[batch]
+        attend = bucket_for(min(longest + steps, self.max_seq_len), self.attend_buckets)
+        return attend, batch, steps
+
+    def next_call_steps(self) -> int:
+        return self.buckets()[2]
 
     def start_generate(self) -> Pending[StepArrays]:
-        attend, batch = self.buckets()
+        attend, batch, steps = self.buckets()
         self.state, (out, valid, done) = self.programs.decode(
-            self.params, self.state, attend_len=attend, batch=batch
+            self.params, self.state, attend_len=attend, batch=batch, steps=steps
         )
         _host_copy((out, valid, done))
-        self._length_bound[self._occupied] += self.steps_per_call
+        self._length_bound[self._occupied] += steps
 
         def read() -> StepArrays:
             ids, lps, top_ids, top_vals = (self._pad(np.asarray(a)) for a in out)
@@ -235,7 +246,7 @@ class JaxEngine(Engine):
     def warm_up_stages(self, prompt_logprobs: bool = True) -> list[tuple[str, Callable[[], None]]]:
         """What warm-up runs, stage by stage: prefill + insert per prompt bucket (with and without prompt
         logprobs), decode per (attended-length, batch) bucket. Each stage compiles its programs (or loads them
-        from the compilation cache) and runs them once."""
+        from the compilation cache); prefill and insert also run once, decode programs are only compiled."""
         params = SlotParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=5, seed=0)
 
         def prefill(bucket: int) -> None:
@@ -245,11 +256,15 @@ class JaxEngine(Engine):
             self.release(0)
 
         def decode(attend: int, batch: int) -> None:
-            self.state, outs = self.programs.decode(self.params, self.state, attend_len=attend, batch=batch)
-            jax.block_until_ready(outs)
+            # compiled (or loaded from the cache), not run: a 64-row decode over 512 positions runs for seconds,
+            # and the call later finds this executable (the same arguments' shapes and placement)
+            steps = self.call_steps[batch]
+            self.programs.decode.lower(
+                self.params, self.state, attend_len=attend, batch=batch, steps=steps
+            ).compile()
 
         stages = [(f"prefill bucket {b}", functools.partial(prefill, b)) for b in self.prefill_buckets]
-        stages += [(f"decode {a} positions x {b} rows", functools.partial(decode, a, b))
+        stages += [(f"decode {a} positions x {b} rows x {self.call_steps[b]} steps", functools.partial(decode, a, b))
                    for a in self.attend_buckets for b in self.batch_buckets]  # fmt: skip
         return stages
 

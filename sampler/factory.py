@@ -32,6 +32,7 @@ def load_engine(cfg: EngineConfig) -> tuple[JaxEngine, Tokenizer, str]:
         slots=cfg.slots,
         max_seq_len=cfg.max_seq_len,
         steps_per_call=cfg.steps_per_call,
+        min_steps_per_call=cfg.min_steps_per_call,
         min_prefill_bucket=cfg.min_prefill_bucket,
         prefill_chunk=cfg.prefill_chunk,
         min_attend_bucket=cfg.min_attend_bucket,

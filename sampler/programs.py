@@ -1,7 +1,7 @@
 """The jitted programs of the engine, as plain functions over the split NNX state (never `nnx.jit`, which walks
 the object graph in Python on every call). Shapes are static per program: prefill per prompt bucket Lp (a bucket
 longer than one chunk: one program per chunk, so the engine thread can put decode calls between them, and one
-that finishes), decode per (attended-length bucket A, batch bucket b); everything else (per-slot parameters,
+that finishes), decode per (attended-length bucket A, batch bucket b, with its steps N); everything else (per-slot parameters,
 lengths, slot index) is traced."""
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from tpuserve.sampler.state import DecodeState, SlotSampling
 @dataclass(frozen=True)
 class ProgramConfig:
     K: int  # logprob width
-    steps: int  # N fused decode steps per generate call
     chunk: int  # largest prefill chunk; longer prompts are prefilled chunk by chunk
     max_seq_len: int
     processed_logprobs: bool = False
@@ -45,7 +44,9 @@ class Programs(NamedTuple):
         Any  # (params, hidden [Lp, H], tokens [Lp], true_len; want_prompt_logprobs) -> (logits, prompt)
     )
     insert: Any  # (state, prefix, last_logits, slot, prompt_len, SlotSampling) -> (state, (StepOut, done))
-    decode: Any  # (params, state; attend_len, batch) -> (state, (StepOut, valid, done) each [N, batch])
+    decode: (
+        Any  # (params, state; attend_len, batch, steps) -> (state, (StepOut, valid, done) each [N, batch])
+    )
     release: Any  # (state, slot) -> state
 
 
@@ -123,8 +124,8 @@ def insert_program(state: DecodeState, prefix: KVCache, last_logits, slot, promp
     return state, (StepOut(*(a[0] for a in out)), done[0])
 
 
-def decode_program(m: Llama, state: DecodeState, attend_len: int, batch: int, cfg: ProgramConfig):
-    """N fused decode steps over slots 0..batch-1 (a static bucket covering every occupied slot); finished and
+def decode_program(m: Llama, state: DecodeState, attend_len: int, batch: int, steps: int, cfg: ProgramConfig):
+    """`steps` (N) fused decode steps over slots 0..batch-1 (a static bucket covering every occupied slot); finished and
     empty slots are masked, not branched. Outputs are [N, batch]."""
     small = jax.tree.map(lambda a: a[:batch], state.replace(cache=None))
 
@@ -141,7 +142,7 @@ def decode_program(m: Llama, state: DecodeState, attend_len: int, batch: int, cf
                       last=jnp.where(valid, out.ids, s.last))  # fmt: skip
         return (s, cache), (out, valid, done)
 
-    (small, cache), outs = jax.lax.scan(step, (small, state.cache), None, length=cfg.steps)
+    (small, cache), outs = jax.lax.scan(step, (small, state.cache), None, length=steps)
     merged = jax.tree.map(lambda full, part: full.at[:batch].set(part), state.replace(cache=None), small)
     return merged.replace(cache=cache), outs
 
@@ -166,9 +167,9 @@ def build_programs(graphdef: Any, cfg: ProgramConfig) -> Programs:
     def insert(state: DecodeState, prefix: KVCache, last_logits, slot, prompt_len, one: SlotSampling):
         return insert_program(state, prefix, last_logits, slot, prompt_len, one, cfg)
 
-    @functools.partial(jax.jit, static_argnames=("attend_len", "batch"), donate_argnums=(1,))
-    def decode(params, state: DecodeState, attend_len: int, batch: int):
-        return decode_program(model(params), state, attend_len, batch, cfg)
+    @functools.partial(jax.jit, static_argnames=("attend_len", "batch", "steps"), donate_argnums=(1,))
+    def decode(params, state: DecodeState, attend_len: int, batch: int, steps: int):
+        return decode_program(model(params), state, attend_len, batch, steps, cfg)
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def release(state: DecodeState, slot):

@@ -1,6 +1,6 @@
 """Decode runs on the smallest batch bucket that covers the occupied slots, and a request's tokens and logprobs
-are bit-identical whatever the bucket: alone (8 rows), beside 7 others (16 rows: it sits in slot 12), beside 63
-others (64 rows). Real weights; greedy and seeded sampling. Also: every bit of a 64-bit seed counts."""
+are bit-identical whatever the bucket: alone (8 rows, 8 steps per call), beside 7 others (16 rows, 4 steps: it
+sits in slot 12), beside 63 others (64 rows, 1 step). Real weights; greedy and seeded sampling. Also: every bit of a 64-bit seed counts."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from tests.sampler.test_engine import PROMPTS
 
 @pytest.fixture(scope="module")
 def calls(engine):
-    """The batch bucket of every decode call the shared engine makes while the test runs."""
-    seen: list[int] = []
+    """(batch bucket, steps) of every decode call the shared engine makes while the test runs."""
+    seen: list[tuple[int, int]] = []
     original = engine.buckets
 
     def spy():
-        attend, batch = original()
-        seen.append(batch)
-        return attend, batch
+        attend, batch, steps = original()
+        seen.append((batch, steps))
+        return attend, batch, steps
 
     engine.buckets = spy
     yield seen
@@ -48,13 +48,13 @@ def test_bit_identical_alone_beside_7_and_beside_63(engine, embedded, calls):
 
     calls.clear()
     alone, _ = run(engine, mine(0))
-    assert set(calls) == {8}, "requests in slots 0-1 decode on the 8-row bucket"
+    assert set(calls) == {(8, 8)}, "requests in slots 0-1 decode on the 8-row bucket, 8 steps a call"
     calls.clear()
     seven, _ = run(engine, _others(tok, range(7)) + mine(12))
-    assert set(calls) == {16}, "slots 12-13 need the 16-row bucket"
+    assert set(calls) == {(16, 4)}, "slots 12-13 need the 16-row bucket (4 steps a call)"
     calls.clear()
     crowded, _ = run(engine, _others(tok, range(2, 64)) + mine(0))
-    assert 64 in calls
+    assert (64, 1) in calls
     for ref, others in ((alone[0], (seven[12], crowded[0])), (alone[1], (seven[13], crowded[1]))):
         for other in others:
             assert other[0] == ref[0]  # token ids
