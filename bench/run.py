@@ -39,7 +39,7 @@ from bench import clients, rows, servers, workload
 from bench.hf import TORCH_THREADS
 from bench.table import FAILED, Row, count_row, markdown, write_json
 
-ALL = ["single", "ttft", "many", "logprobs", "ttft_load", "compiles", "engine"]
+ALL = ["single", "ttft", "many", "logprobs", "ttft_load", "compiles", "startup", "engine"]
 LLAMA_GROUPS = {"single", "ttft", "many", "ttft_load"}
 
 
@@ -171,6 +171,29 @@ def measure_http(
     return out
 
 
+def startup_row(args: argparse.Namespace, workdir: pathlib.Path, raw: dict) -> Row:
+    """Two starts of `tpuserve serve` on one empty compilation cache, one after the other (nothing else
+    running): seconds from launch to /health 200, the second over the first."""
+    from bench.table import Target, judged, not_run
+
+    name = "`tpuserve serve` launch → /health 200, second start (warm compilation cache)"
+    if args.tpuserve_url:
+        return not_run(
+            "startup", name, Target("<=", 0.5), "needs servers this run starts (not --tpuserve-url)"
+        )
+    cache_home = workdir / "xdg-cache"  # tpuserve's default cache is $XDG_CACHE_HOME/tpuserve
+    seconds = []
+    for attempt in ("cold", "warm"):
+        rows.log(f"start-up with a {attempt} compilation cache")
+        with servers.Servers() as pool:
+            server = pool.start(servers.tpuserve(workdir, args.config, name=f"tpuserve-start-{attempt}",
+                                                 env={"XDG_CACHE_HOME": str(cache_home)}))  # fmt: skip
+            seconds.append(server.wait_ready(1200))
+    raw["startup"] = {"cold_s": seconds[0], "warm_s": seconds[1]}
+    return judged("startup", name, f"{seconds[1]:.1f} s", f"first start (cold cache): {seconds[0]:.1f} s",
+                  seconds[1] / seconds[0], Target("<=", 0.5))  # fmt: skip
+
+
 def _run_groups(ctx: rows.Context, groups: list[str]) -> list[Row]:
     out: list[Row] = []
     for name in groups:
@@ -200,8 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     raw: dict = {}
     start = time.perf_counter()
     out: list[Row] = []
-    if set(groups) - {"engine"}:
+    if set(groups) - {"engine", "startup"}:
         out += measure_http(args, plan, groups, gguf, workdir, meta, raw)
+    if "startup" in groups:
+        out.append(startup_row(args, workdir, raw))
     if "engine" in groups:
         from bench.engine_diag import engine_rows
 

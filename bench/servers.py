@@ -54,13 +54,14 @@ class Server:
     argv: list[str]
     log_path: pathlib.Path
     metrics_url: str | None = None  # tpuserve backend's Prometheus endpoint
+    env: dict[str, str] | None = None  # added to this process's environment
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> None:
         log = open(self.log_path, "wb")  # noqa: SIM115 (closed with the process)
-        self.proc = subprocess.Popen(
-            self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
+        env = {**os.environ, **self.env} if self.env else None
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, env=env)  # fmt: skip
         log.close()
 
     def wait_ready(self, timeout_s: float) -> float:
@@ -139,7 +140,8 @@ class Server:
         return self.metric(COMPILES_METRIC)
 
 
-def tpuserve(workdir: pathlib.Path, config: str | None, name: str = "tpuserve") -> Server:
+def tpuserve(workdir: pathlib.Path, config: str | None, name: str = "tpuserve",
+             env: dict[str, str] | None = None) -> Server:  # fmt: skip
     """`tpuserve serve` on free ports, its backend metrics on GRPC_PORT + 1; default settings unless `config`."""
     port, grpc_port = free_port(), free_port_pair()
     argv = [tpuserve_bin(), "serve", "--port", str(port), "--grpc-port", str(grpc_port)]
@@ -152,6 +154,7 @@ def tpuserve(workdir: pathlib.Path, config: str | None, name: str = "tpuserve") 
         argv=argv,
         log_path=workdir / f"{name}.log",
         metrics_url=f"http://127.0.0.1:{grpc_port + 1}",
+        env=env,
     )
 
 
