@@ -2,7 +2,7 @@
 
 Token strings come from the raw bytes: a token that is not valid UTF-8 on its own is written with `\\xNN`
 escapes for the bytes that do not decode (as OpenAI does); a special token is its display text. `bytes` are the
-raw bytes, never re-encoded from text. -inf becomes -9999.0 and nothing non-finite reaches JSON.
+raw bytes, never re-encoded from text; a special token's `bytes` are null. -inf becomes -9999.0 and nothing non-finite reaches JSON.
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ def token_text(token: pb.Token | pb.TopLogprob) -> str:
     return token.token_bytes.decode("utf-8", errors="backslashreplace")
 
 
+def token_bytes(token: pb.Token | pb.TopLogprob) -> list[int] | None:
+    """The raw bytes; None for a special token (e.g. <|im_end|>), which has no bytes representation (the spec's
+    null: an empty list would say "this token is the empty string")."""
+    return None if token.special else list(token.token_bytes)
+
+
 def token_logprob(token: pb.Token) -> float | None:
     return finite(token.logprob) if token.HasField("logprob") else None
 
@@ -46,10 +52,10 @@ def chat_entry(token: pb.Token, top_k: int) -> TokenLogprob:
     """One `ChatCompletionTokenLogprob`: top_logprobs holds the k most likely alternatives ([] for k = 0)."""
     return TokenLogprob(
         token=token_text(token),
-        bytes=list(token.token_bytes),
+        bytes=token_bytes(token),
         logprob=finite(token.logprob),
         top_logprobs=[
-            TopLogprob(token=token_text(t), bytes=list(t.token_bytes), logprob=finite(t.logprob))
+            TopLogprob(token=token_text(t), bytes=token_bytes(t), logprob=finite(t.logprob))
             for t in _sorted_top(token, top_k)
         ],
     )

@@ -18,13 +18,13 @@ class OpenAIObject(BaseModel):
 
 class TopLogprob(OpenAIObject):
     token: str
-    bytes: list[int]
+    bytes: list[int] | None  # None: a special token, which has no bytes representation
     logprob: float
 
 
 class TokenLogprob(OpenAIObject):
     token: str
-    bytes: list[int]
+    bytes: list[int] | None
     logprob: float
     top_logprobs: list[TopLogprob]
 

@@ -68,13 +68,13 @@ def stream(http: httpx.Client, path: str, body: dict) -> list[dict]:
 
 
 def entry_bytes(entries: list[dict]) -> bytes:
-    return b"".join(bytes(e["bytes"]) for e in entries)
+    return b"".join(bytes(e["bytes"] or b"") for e in entries)
 
 
 def check_chat_entry(e: dict, k: int | None) -> None:
     assert set(e) == {"token", "bytes", "logprob", "top_logprobs"}
     assert "\ufffd" not in e["token"] and "Ġ" not in e["token"] and "Ċ" not in e["token"]
-    raw = bytes(e["bytes"])
+    raw = bytes(e["bytes"] or b"")
     assert e["token"] == raw.decode("utf-8", errors="backslashreplace") or not raw
     if k is None or k == 0:
         assert e["top_logprobs"] == []

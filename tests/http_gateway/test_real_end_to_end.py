@@ -294,6 +294,24 @@ def test_special_token_text_in_chat_content_is_plain_text(real, tok, real_backen
     )
 
 
+def test_special_alternative_has_null_bytes_and_the_sdk_parses_it(real) -> None:
+    """`<|im_end|>` offered as an alternative (the model ends its one-word answer there) comes with
+    `"bytes": null` (the spec: no bytes representation), not [] (the empty string); the official SDK parses it."""
+    openai = require_extra("openai")
+    url, model, _ = real
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    entries = []
+    for question in ("Reply with one word: yes or no?", "Say OK.", "What is 2+2? Reply with the number only."):
+        out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                             max_tokens=8, temperature=0, logprobs=True, top_logprobs=20)  # fmt: skip
+        entries += out.choices[0].logprobs.content
+    specials = [t for e in entries for t in e.top_logprobs if t.token == "<|im_end|>"]
+    assert specials, [[t.token for t in e.top_logprobs] for e in entries]
+    assert all(t.bytes is None for t in specials)
+    assert all(t.bytes is not None for e in entries for t in e.top_logprobs if t.token != "<|im_end|>"
+               and not (t.token.startswith("<|") and t.token.endswith("|>")))  # fmt: skip
+
+
 def test_langchain_chat_openai(real) -> None:
     langchain_openai = require_extra("langchain_openai")
     url, model, _ = real
