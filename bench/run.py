@@ -37,7 +37,7 @@ import traceback
 
 from bench import clients, rows, servers, workload
 from bench.hf import TORCH_THREADS
-from bench.table import FAILED, Row, count_row, markdown, write_json
+from bench.table import FAILED, Row, Target, count_row, judged, markdown, not_run, write_json
 
 ALL = ["single", "ttft", "many", "logprobs", "ttft_load", "compiles", "startup", "engine"]
 LLAMA_GROUPS = {"single", "ttft", "many", "ttft_load"}
@@ -174,8 +174,6 @@ def measure_http(
 def startup_row(args: argparse.Namespace, workdir: pathlib.Path, raw: dict) -> Row:
     """Two starts of `tpuserve serve` on one empty compilation cache, one after the other (nothing else
     running): seconds from launch to /health 200, the second over the first."""
-    from bench.table import Target, judged, not_run
-
     name = "`tpuserve serve` launch → /health 200, second start (warm compilation cache)"
     if args.tpuserve_url:
         return not_run(

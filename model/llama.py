@@ -246,7 +246,7 @@ class Llama(nnx.Module):
             return x, k_cache, v_cache
 
         k_cache, v_cache = cache.k, cache.v
-        if isinstance(self.layers, Block):
+        if self.scan_layers:
 
             def step(carry, p):
                 x, k_cache, v_cache, li = carry

@@ -106,7 +106,6 @@ class JaxEngine(Engine):
         floor = min(min_steps_per_call, steps_per_call)
         work = steps_per_call * self.batch_buckets[0]
         self.call_steps = {b: max(floor, work // b) for b in self.batch_buckets}
-        self.scan_layers = scan_layers
         module = loaded.module(scan_layers=scan_layers, mesh=mesh)
         self.graphdef, self.params = nnx.split(module)  # split once; programs merge inside jit
         dtype = jnp.dtype(cache_dtype) if cache_dtype else module.embed.value.dtype

@@ -1,8 +1,8 @@
 """The jitted programs of the engine, as plain functions over the split NNX state (never `nnx.jit`, which walks
 the object graph in Python on every call). Shapes are static per program: prefill per prompt bucket Lp (a bucket
 longer than one chunk: one program per chunk, so the engine thread can put decode calls between them, and one
-that finishes), decode per (attended-length bucket A, batch bucket b, with its steps N); everything else (per-slot parameters,
-lengths, slot index) is traced."""
+that finishes), decode per (attended-length bucket A, batch bucket b, with its steps N); everything else
+(per-slot parameters, lengths, slot index) is traced."""
 
 from __future__ import annotations
 
@@ -125,8 +125,8 @@ def insert_program(state: DecodeState, prefix: KVCache, last_logits, slot, promp
 
 
 def decode_program(m: Llama, state: DecodeState, attend_len: int, batch: int, steps: int, cfg: ProgramConfig):
-    """`steps` (N) fused decode steps over slots 0..batch-1 (a static bucket covering every occupied slot); finished and
-    empty slots are masked, not branched. Outputs are [N, batch]."""
+    """`steps` (N) fused decode steps over slots 0..batch-1 (a static bucket covering every occupied slot);
+    finished and empty slots are masked, not branched. Outputs are [N, batch]."""
     small = jax.tree.map(lambda a: a[:batch], state.replace(cache=None))
 
     def step(carry, _):

@@ -1,6 +1,7 @@
 """Decode runs on the smallest batch bucket that covers the occupied slots, and a request's tokens and logprobs
 are bit-identical whatever the bucket: alone (8 rows, 8 steps per call), beside 7 others (16 rows, 4 steps: it
-sits in slot 12), beside 63 others (64 rows, 1 step). Real weights; greedy and seeded sampling. Also: every bit of a 64-bit seed counts."""
+sits in slot 12), beside 63 others (64 rows, 1 step). Real weights; greedy and seeded sampling. Also: every bit
+of a 64-bit seed counts."""
 
 from __future__ import annotations
 
