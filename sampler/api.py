@@ -96,6 +96,17 @@ class PromptLogprobs:
     top_logprobs: np.ndarray
 
 
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """The prefix cache's counters since start (cumulative) and its size now; hit rate = hit / lookup tokens."""
+
+    lookup_tokens: int = 0  # prompt tokens looked up (every prompt of an engine with the cache on)
+    hit_tokens: int = 0  # of those, tokens whose KV came from the cache
+    cached_bytes: int = 0  # device bytes held by cached blocks now
+    capacity_bytes: int = 0  # the configured budget (prefix_cache_bytes)
+    evictions: int = 0  # blocks evicted (least recently used) to make room
+
+
 class Engine(abc.ABC):
     """prefill -> insert (per sample) -> generate (N steps, all slots) -> release.
 
@@ -111,13 +122,27 @@ class Engine(abc.ABC):
     prefill_chunk: int = 512  # prompt tokens one prefill step computes at most
 
     @abc.abstractmethod
-    def prefill(self, tokens: list[int], want_prompt_logprobs: bool = False) -> Any:
-        """Run the prompt once; the returned prefix can be inserted into several slots (n samples)."""
+    def prefill(self, tokens: list[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None) -> Any:
+        """Run the prompt once; the returned prefix can be inserted into several slots (n samples).
 
-    def prefill_steps(self, tokens: list[int], want_prompt_logprobs: bool = False) -> Iterator[Any]:
+        With a prefix cache, cached blocks of the prompt are reused; `cache_salt` names the namespace (prompts
+        with different salts never share blocks; None = the default namespace)."""
+
+    def prefill_steps(
+        self, tokens: list[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None
+    ) -> Iterator[Any]:
         """`prefill` one chunk per `next()`: None until the last step yields the prefix. The engine thread puts
-        decode calls between the chunks of a long prompt, so running streams never wait for a whole prompt."""
-        yield self.prefill(tokens, want_prompt_logprobs)
+        decode calls between the chunks of a long prompt, so running streams never wait for a whole prompt.
+        Closing the iterator early (a cancelled request) lets go of what it holds."""
+        yield self.prefill(tokens, want_prompt_logprobs, cache_salt)
+
+    def cached_tokens(self, prefix: Any) -> int:
+        """Prompt tokens of this prefix whose KV came from the prefix cache (OpenAI's usage `cached_tokens`)."""
+        return 0
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """None when the engine has no prefix cache (or it is off). Read from any thread (a snapshot)."""
+        return None
 
     def next_call_steps(self) -> int:
         """Steps the next generate call will make (its output's N): steps_per_call unless the engine varies it

@@ -19,8 +19,13 @@ class EngineConfig:
     # Larger buckets make fewer steps per call (rows x steps stays that of the smallest bucket; 64 rows: 1 step),
     # so a request arriving under load waits for a short call; this is the floor (= steps_per_call: fixed N).
     min_steps_per_call: int = 1
-    min_prefill_bucket: int = 16
-    prefill_chunk: int = 256  # a running stream waits at most about one chunk of someone else's prefill
+    min_prefill_bucket: int = 16  # the last, partial chunk of a prompt: padded to a power of two >= this
+    # C: prompts are prefilled in chunks of C tokens at multiples of C, the prefix cache's blocks; a running
+    # stream waits at most about one chunk of someone else's prefill
+    prefill_chunk: int = 128
+    # prompt tokens (padded chunks) prefilled per engine turn while streams decode (null: one chunk): a running
+    # stream waits for about this much of other requests' prefill between two decode calls
+    prefill_budget: int | None = 256
     min_attend_bucket: int = 128
     # Decode runs on the smallest power-of-two row bucket (>= this, >= 2) covering the occupied slots; a
     # request's tokens and logprobs are bit-identical whatever the bucket (tests/sampler/test_batch_invariance.py).
@@ -30,6 +35,11 @@ class EngineConfig:
     # arrays: XLA:CPU copies a scanned weight slice, so unrolled decodes ~20 % faster there but compiles 3-6x
     # longer (measured: decode 8 rows 150 vs 184 ms per step, compile 6.5 vs 2.2 s).
     scan_layers: bool = True
+    # Prefix cache (device-resident, blocks of prefill_chunk tokens, least recently used evicted): a prompt
+    # that starts with blocks an earlier one computed (same cache_salt) loads them instead of computing them.
+    # Results are bit-identical with the cache cold or warm (tests/sampler/test_prefix_cache.py).
+    prefix_cache: bool = True
+    prefix_cache_bytes: int | None = None  # null: half the KV cache's size, at most a tenth of device memory
     processed_logprobs: bool = False  # raw logprobs (OpenAI's at temperature 0) unless set
     model_parallel: int = 1  # mesh "model" axis size (heads / MLP / KV heads)
     data_parallel: int = 1  # mesh "data" axis size (slots)

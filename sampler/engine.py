@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,22 +25,35 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tpuserve.model.llama import cache_bytes
 from tpuserve.model.loader import LoadedModel
-from tpuserve.model.sharding import cache_sharding
+from tpuserve.model.sharding import DEFAULT_RULES, ShardingRules, cache_sharding
 from tpuserve.sampler.api import (
     MAX_TOP_LOGPROBS,
     Engine,
     Pending,
+    PrefixCacheStats,
     PromptLogprobs,
     SlotParams,
     StepArrays,
     TokenOut,
 )
-from tpuserve.sampler.programs import ProgramConfig, build_programs
+from tpuserve.sampler.prefix_cache import PrefixIndex
+from tpuserve.sampler.programs import Pool, ProgramConfig, build_programs, init_pool, pool_block_bytes
 from tpuserve.sampler.state import init_decode_state, slot_sampling
 
 log = logging.getLogger(__name__)
 
 MIN_BATCH_BUCKET = 2  # one row takes another kernel (a matrix-vector product) that rounds differently
+PREFIX_RULES = ShardingRules(
+    {**DEFAULT_RULES, "batch": None}
+)  # a prefix and the pool's blocks: KV heads only
+
+
+def device_memory_bytes() -> int:
+    """The first device's memory (its allocator's limit), or the host's RAM for a CPU device."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def power_of_two_buckets(smallest: int, largest: int) -> list[int]:
@@ -59,10 +73,13 @@ def bucket_for(n: int, buckets: list[int]) -> int:
 
 @dataclass
 class Prefix:
-    cache: object  # KVCache [L, 1, Hkv, Lp, D] on the device
+    cache: object  # KVCache [L, 1, Hkv, S, D] on the device
     last_logits: jax.Array  # [V]
     prompt_len: int
-    prompt: tuple | None  # device arrays (logprobs [Lp-1], top_ids [Lp-1, K], top_logprobs [Lp-1, K])
+    # prompt logprobs, part by part (cached blocks, then each chunk): (entries, device arrays (logprobs [>= m],
+    # top_ids [>= m, K], top_logprobs [>= m, K])), of which the first `entries` belong to the prompt
+    prompt: list[tuple[int, tuple]] | None
+    cached_tokens: int = 0  # leading prompt tokens whose KV came from the prefix cache
 
 
 def _host_copy(tree) -> None:
@@ -79,9 +96,11 @@ class JaxEngine(Engine):
         steps_per_call: int = 8,
         min_steps_per_call: int = 1,
         min_prefill_bucket: int = 32,
-        prefill_chunk: int = 512,
+        prefill_chunk: int = 128,
         min_attend_bucket: int = 128,
         min_batch_bucket: int | None = 8,
+        prefix_cache: bool = True,
+        prefix_cache_bytes: int | None = None,
         processed_logprobs: bool = False,
         cache_dtype: str | None = None,
         scan_layers: bool = True,
@@ -94,8 +113,12 @@ class JaxEngine(Engine):
         self.vocab_size = loaded.config.vocab_size
         self.top_k_width = MAX_TOP_LOGPROBS
         self.processed_logprobs = processed_logprobs
-        self.prefill_buckets = power_of_two_buckets(min(min_prefill_bucket, max_seq_len), max_seq_len)
+        # A prompt is prefilled in chunks of C = prefill_chunk tokens that start at multiples of C (the prefix
+        # cache's blocks); the last, partial chunk is padded to the smallest power of two >= min_prefill_bucket.
         self.prefill_chunk = min(prefill_chunk, max_seq_len)
+        self.chunk_sizes = power_of_two_buckets(
+            min(min_prefill_bucket, self.prefill_chunk), self.prefill_chunk
+        )
         self.attend_buckets = power_of_two_buckets(min(min_attend_bucket, max_seq_len), max_seq_len)
         # None: always all slots. Buckets never go below 2 rows (a 1-row product rounds differently).
         smallest = max(min_batch_bucket or slots, MIN_BATCH_BUCKET)
@@ -113,15 +136,47 @@ class JaxEngine(Engine):
         self.kv_cache_bytes = cache_bytes(loaded.config, slots, max_seq_len, dtype)
         self.mesh = mesh
         self.state = self._place(init_decode_state(loaded.config, slots, max_seq_len, dtype))
-        cfg = ProgramConfig(K=MAX_TOP_LOGPROBS, chunk=prefill_chunk,
+        cfg = ProgramConfig(K=MAX_TOP_LOGPROBS, chunk=self.prefill_chunk,
                             max_seq_len=max_seq_len, processed_logprobs=processed_logprobs)  # fmt: skip
-        self.programs = build_programs(self.graphdef, cfg)
+        self.prefix_dtype = module.embed.value.dtype
+        self.programs = build_programs(
+            self.graphdef, cfg, self.config, self.prefix_dtype, self._prefix_sharding()
+        )
+        self.pool, self.index = None, None
+        if prefix_cache:
+            self._init_prefix_cache(prefix_cache_bytes)
         # Host bookkeeping, never read back from the device: which slots hold a sample, and an upper bound of
         # each one's length (what the dispatched calls can have written), for the batch and attention buckets.
         self._occupied = np.zeros(slots, bool)
         self._length_bound = np.zeros(slots, np.int64)
         log.info("KV cache: %d slots x %d positions, %s, %.1f MiB", slots, max_seq_len, dtype.name,
                  self.kv_cache_bytes / 2**20)  # fmt: skip
+
+    def _prefix_sharding(self):
+        if self.mesh is None:
+            return None
+        return cache_sharding(self.config, self.mesh, 1, self.max_seq_len, PREFIX_RULES)
+
+    def _init_prefix_cache(self, budget: int | None) -> None:
+        C, K = self.prefill_chunk, MAX_TOP_LOGPROBS
+        block_bytes = pool_block_bytes(self.config, C, K, self.prefix_dtype)
+        if budget is None:  # half the decode KV cache's size, at most a tenth of the device's memory
+            budget = min(self.kv_cache_bytes // 2, device_memory_bytes() // 10)
+        blocks = budget // block_bytes
+        if blocks < 1:
+            log.info("prefix cache: off (a %d-byte budget holds no %d-token block of %d bytes)", budget, C,
+                     block_bytes)  # fmt: skip
+            return
+        pool = init_pool(self.config, blocks, C, K, self.prefix_dtype)
+        if (
+            self.mesh is not None
+        ):  # KV split over KV heads like the KV cache; blocks (and logprobs) replicated
+            replicated = NamedSharding(self.mesh, PartitionSpec())
+            kv = cache_sharding(self.config, self.mesh, blocks, C, PREFIX_RULES)
+            pool = jax.device_put(pool, Pool(kv, kv, *(replicated,) * 4))
+        self.pool = pool
+        self.index = PrefixIndex(blocks, C, block_bytes)
+        log.info("prefix cache: %d blocks of %d tokens, %.1f MiB", blocks, C, blocks * block_bytes / 2**20)
 
     def _place(self, state):
         if self.mesh is None:
@@ -133,44 +188,89 @@ class JaxEngine(Engine):
         return jax.device_put(state, shardings)
 
     # -- Engine API ---------------------------------------------------------------------------------------------
-    def prefill_steps(self, tokens: list[int], want_prompt_logprobs: bool = False) -> Iterator[Prefix | None]:
+    def prefill_steps(
+        self, tokens: list[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None
+    ) -> Iterator[Prefix | None]:
         """Dispatch the prompt chunk by chunk: each `next()` queues one chunk (None) until the last yields the
-        Prefix. A prompt within one chunk is one program."""
+        Prefix. Chunks start at multiples of C; leading blocks found in the prefix cache are loaded instead of
+        computed (never the last token's: its logits are needed), and each full block computed is cached."""
         n = len(tokens)
         if not 0 < n <= self.max_seq_len:
             raise ValueError(f"prompt of {n} tokens: must be 1..{self.max_seq_len}")
-        bucket = bucket_for(n, self.prefill_buckets)
-        padded = np.zeros(bucket, np.int32)
-        padded[:n] = tokens
-        p = self.programs
-        if bucket <= self.prefill_chunk:
-            cache, last_logits, prompt = p.prefill(self.params, padded, np.int32(n), bucket=bucket,
-                                                   want_prompt_logprobs=want_prompt_logprobs)  # fmt: skip
-        else:
-            cache, hidden = None, []
-            for start in range(0, bucket, self.prefill_chunk):
-                chunk = padded[start : start + self.prefill_chunk]
-                cache, h = p.prefill_chunk(self.params, cache, chunk, start=start, bucket=bucket)
-                hidden.append(h)
-                if start + self.prefill_chunk < bucket:
+        C, p, index = self.prefill_chunk, self.programs, self.index
+        keys = index.keys(tokens, cache_salt) if index is not None else []
+        hits = index.lookup(keys[: (n - 1) // C], n, want_prompt_logprobs) if index is not None else []
+        try:
+            padded = np.zeros(-(-n // C) * C + 1, np.int32)  # + 1: the target after the last position
+            padded[:n] = tokens
+            prompt = [] if want_prompt_logprobs else None
+            if hits:
+                blocks = np.zeros(self.max_seq_len // C, np.int32)
+                blocks[: len(hits)] = [b.id for b in hits]
+                cache = p.load(self.pool, blocks, np.int32(len(hits)))
+                if want_prompt_logprobs:
+                    targets = np.zeros_like(blocks)
+                    targets[: len(hits)] = padded[C : (len(hits) + 1) * C : C]
+                    prompt.append((len(hits) * C, p.cached_logprobs(self.pool, blocks, targets)))
+            else:
+                cache = p.fresh()
+            for start, real, size, attend in self.chunk_plan(n, len(hits) * C):
+                chunk = np.zeros(size, np.int32)
+                chunk[:real] = padded[start : start + real]
+                cache, hidden = p.chunk(self.params, cache, chunk, np.int32(start), attend_len=attend)
+                lp = None
+                if want_prompt_logprobs:
+                    targets = np.zeros(size, np.int32)
+                    targets[:real] = padded[start + 1 : start + real + 1]
+                    lp = p.chunk_logprobs(self.params, hidden, targets)
+                    prompt.append((real, lp[:3]))
+                if real == C and index is not None:
+                    self._cache_block(keys[start // C], cache, start, lp)
+                if start + C < n:
                     yield None
-            last_logits, prompt = p.prefill_finish(self.params, jnp.concatenate(hidden), padded, np.int32(n),
-                                                   want_prompt_logprobs=want_prompt_logprobs)  # fmt: skip
-        if prompt is not None:
-            _host_copy(prompt)
-        yield Prefix(cache, last_logits, n, prompt)
+            last_logits = p.last_logits(self.params, hidden, np.int32(real - 1))
+            if prompt is not None:
+                _host_copy([arrays for _, arrays in prompt])
+            yield Prefix(cache, last_logits, n, prompt, cached_tokens=len(hits) * C)
+        finally:
+            if index is not None:
+                index.unpin(hits)
 
-    def prefill(self, tokens: list[int], want_prompt_logprobs: bool = False) -> Prefix:
-        *_, prefix = self.prefill_steps(tokens, want_prompt_logprobs)
+    def _cache_block(self, key: bytes, cache, start: int, lp) -> None:
+        """Keep a just-computed full block: its KV (when new) and its prompt logprobs (when computed and not yet
+        kept). Dispatched in order, so a later request's load reads what these stores wrote."""
+        block = self.index.get(key)
+        if block is None:
+            block = self.index.add(key, logprobs=lp is not None)
+            if block is None:  # every block pinned: served without caching
+                return
+            self.pool = self.programs.store(self.pool, cache, np.int32(start), np.int32(block.id))
+        elif lp is None or block.logprobs:
+            return
+        if lp is not None:
+            self.pool = self.programs.store_logprobs(self.pool, np.int32(block.id), lp)
+            block.logprobs = True
+
+    def prefill(
+        self, tokens: list[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None
+    ) -> Prefix:
+        *_, prefix = self.prefill_steps(tokens, want_prompt_logprobs, cache_salt)
         return prefix
 
     def prefill_cost(self, prompt_len: int) -> int:
-        return min(bucket_for(prompt_len, self.prefill_buckets), self.prefill_chunk)
+        return min(bucket_for(min(prompt_len, self.prefill_chunk), self.chunk_sizes), self.prefill_chunk)
+
+    def cached_tokens(self, prefix: Prefix) -> int:
+        return prefix.cached_tokens
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        return self.index.stats() if self.index is not None else None
 
     def prompt_logprobs(self, prefix: Prefix) -> PromptLogprobs | None:
         if prefix.prompt is None:
             return None
-        chosen, top_ids, top_vals = (np.asarray(a) for a in prefix.prompt)
+        parts = [[np.asarray(a)[:count] for a in arrays] for count, arrays in prefix.prompt]
+        chosen, top_ids, top_vals = (np.concatenate([part[i] for part in parts]) for i in range(3))
         n = prefix.prompt_len - 1
         return PromptLogprobs(chosen[:n], top_ids[:n], top_vals[:n])
 
@@ -242,17 +342,48 @@ class JaxEngine(Engine):
         self._length_bound[slot] = 0
 
     # -- start-up -----------------------------------------------------------------------------------------------
-    def warm_up_stages(self, prompt_logprobs: bool = True) -> list[tuple[str, Callable[[], None]]]:
-        """What warm-up runs, stage by stage: prefill + insert per prompt bucket (with and without prompt
-        logprobs), decode per (attended-length, batch) bucket. Each stage compiles its programs (or loads them
-        from the compilation cache); prefill and insert also run once, decode programs are only compiled."""
-        params = SlotParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=5, seed=0)
+    def chunk_plan(self, n: int, first: int = 0) -> list[tuple[int, int, int, int]]:
+        """(start, real tokens, padded size, attended length) of each chunk of an n-token prompt from position
+        `first` (a multiple of C): a function of n alone for the positions it covers, so cached and computed
+        blocks meet the same programs."""
+        C, plan = self.prefill_chunk, []
+        for start in range(first, n, C):
+            real = min(C, n - start)
+            size = bucket_for(real, self.chunk_sizes)
+            plan.append(
+                (start, real, size, bucket_for(min(start + size, self.max_seq_len), self.attend_buckets))
+            )
+        return plan
 
-        def prefill(bucket: int) -> None:
+    def warm_up_stages(self, prompt_logprobs: bool = True) -> list[tuple[str, Callable[[], None]]]:
+        """What warm-up runs, stage by stage: the prefill programs per (chunk size, attended length) that a prompt
+        can meet, with prompt logprobs; the prefix cache's store and load (twice the same prompt) and insert;
+        decode per (attended-length, batch) bucket. Each stage compiles its programs (or loads them from the
+        compilation cache); prefill and insert also run once, decode programs are only compiled."""
+        params = SlotParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=5, seed=0)
+        p = self.programs
+        shapes = {(size, attend): start for n in range(1, self.max_seq_len + 1)
+                  for start, _, size, attend in self.chunk_plan(n)}  # fmt: skip
+
+        def chunk(size: int, attend: int, start: int) -> None:
+            _, hidden = p.chunk(
+                self.params, p.fresh(), np.ones(size, np.int32), np.int32(start), attend_len=attend
+            )
+            p.last_logits(self.params, hidden, np.int32(0))
+            if prompt_logprobs:
+                p.chunk_logprobs(self.params, hidden, np.ones(size, np.int32))
+            jax.block_until_ready(hidden)
+
+        def cache_and_insert() -> None:
+            n = min(self.max_seq_len, 2 * self.prefill_chunk + 1)
             for want in (False, True) if prompt_logprobs else (False,):
-                prefix = self.prefill([1] * bucket, want_prompt_logprobs=want)
+                for _ in range(2):  # cold, then warm (when there is a cache)
+                    prefix = self.prefill([1] * n, want_prompt_logprobs=want, cache_salt="\0warm-up")
+                    self.prompt_logprobs(prefix)
             self.insert(prefix, 0, params)
             self.release(0)
+            if self.index is not None:  # forget the warm-up's blocks and counts
+                self.index = PrefixIndex(self.index.capacity, self.index.block_size, self.index.block_bytes)
 
         def decode(attend: int, batch: int) -> None:
             # compiled (or loaded from the cache), not run: a 64-row decode over 512 positions runs for seconds,
@@ -262,7 +393,9 @@ class JaxEngine(Engine):
                 self.params, self.state, attend_len=attend, batch=batch, steps=steps
             ).compile()
 
-        stages = [(f"prefill bucket {b}", functools.partial(prefill, b)) for b in self.prefill_buckets]
+        stages = [(f"prefill chunk of {size} attending {attend}", functools.partial(chunk, size, attend, start))
+                  for (size, attend), start in sorted(shapes.items())]  # fmt: skip
+        stages.append(("prefix cache and insert", cache_and_insert))
         stages += [(f"decode {a} positions x {b} rows x {self.call_steps[b]} steps", functools.partial(decode, a, b))
                    for a in self.attend_buckets for b in self.batch_buckets]  # fmt: skip
         return stages

@@ -37,6 +37,8 @@ def load_engine(cfg: EngineConfig) -> tuple[JaxEngine, Tokenizer, str]:
         prefill_chunk=cfg.prefill_chunk,
         min_attend_bucket=cfg.min_attend_bucket,
         min_batch_bucket=cfg.min_batch_bucket,
+        prefix_cache=cfg.prefix_cache,
+        prefix_cache_bytes=cfg.prefix_cache_bytes,
         processed_logprobs=cfg.processed_logprobs,
         scan_layers=cfg.scan_layers,
         mesh=mesh,

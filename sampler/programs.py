@@ -1,8 +1,9 @@
 """The jitted programs of the engine, as plain functions over the split NNX state (never `nnx.jit`, which walks
-the object graph in Python on every call). Shapes are static per program: prefill per prompt bucket Lp (a bucket
-longer than one chunk: one program per chunk, so the engine thread can put decode calls between them, and one
-that finishes), decode per (attended-length bucket A, batch bucket b, with its steps N); everything else
-(per-slot parameters, lengths, slot index) is traced."""
+the object graph in Python on every call). Shapes are static per program: a prompt is prefilled in chunks that
+start at multiples of the block size C, one program per (chunk size, attended-length bucket) with the start
+traced, so a position range is always computed by the same program whether the blocks before it were computed
+now or came from the prefix cache (bit-identical results); decode per (attended-length bucket A, batch bucket b,
+with its steps N); everything else (per-slot parameters, lengths, slot index, block ids) is traced."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from tpuserve.sampler.state import DecodeState, SlotSampling
 @dataclass(frozen=True)
 class ProgramConfig:
     K: int  # logprob width
-    chunk: int  # largest prefill chunk; longer prompts are prefilled chunk by chunk
+    chunk: int  # C: prompts are prefilled in chunks of at most C that start at multiples of C (cache blocks)
     max_seq_len: int
     processed_logprobs: bool = False
 
@@ -36,18 +37,55 @@ class StepOut(NamedTuple):
 
 
 class Programs(NamedTuple):
-    prefill: (
-        Any  # (params, tokens [Lp], true_len; bucket, want_prompt_logprobs) -> (prefix, last_logits, prompt)
-    )
-    prefill_chunk: Any  # (params, cache | None, tokens [chunk]; start, bucket) -> (cache, hidden [chunk, H])
-    prefill_finish: (
-        Any  # (params, hidden [Lp, H], tokens [Lp], true_len; want_prompt_logprobs) -> (logits, prompt)
-    )
+    fresh: Any  # () -> an empty prefix cache [L, 1, Hkv, S, D]
+    chunk: Any  # (params, cache, tokens [size], start; attend_len) -> (cache, hidden [size, H])
+    chunk_logprobs: Any  # (params, hidden [size, H], targets [size]) -> ChunkLogprobs
+    last_logits: Any  # (params, hidden [size, H], index) -> logits [V]
     insert: Any  # (state, prefix, last_logits, slot, prompt_len, SlotSampling) -> (state, (StepOut, done))
     decode: (
         Any  # (params, state; attend_len, batch, steps) -> (state, (StepOut, valid, done) each [N, batch])
     )
     release: Any  # (state, slot) -> state
+    # the prefix cache's pool (see sampler/prefix_cache.py)
+    store: Any  # (pool, cache, start, block) -> pool: the cache's positions start..start+C-1 into a block
+    store_logprobs: Any  # (pool, block, ChunkLogprobs) -> pool: a block's prompt logprobs
+    load: Any  # (pool, blocks [M], count) -> prefix cache holding blocks[:count] at positions 0..count*C-1
+    cached_logprobs: Any  # (pool, blocks [M], targets [M]) -> (chosen [M, C], top_ids [M, C, K], top_vals)
+
+
+class ChunkLogprobs(NamedTuple):
+    """Prompt logprobs of one chunk's positions: entry j is the logprob of targets[j] (the prompt token after
+    position j) given the prompt up to j. `last` is position size-1's whole log-distribution [V]: a cached block
+    keeps it to answer the next block's first token, whichever it is."""
+
+    chosen: jax.Array  # [size]
+    top_ids: jax.Array  # [size, K]
+    top_vals: jax.Array  # [size, K]
+    last: jax.Array  # [V]
+
+
+class Pool(NamedTuple):
+    """The prefix cache's device arrays: M blocks of C positions (KV in the prefix cache's dtype), and the prompt
+    logprobs of a block where a request asked for them (ChunkLogprobs per block)."""
+
+    k: jax.Array  # [L, M, Hkv, C, D]
+    v: jax.Array
+    chosen: jax.Array  # [M, C]
+    top_ids: jax.Array  # [M, C, K]
+    top_vals: jax.Array  # [M, C, K]
+    last: jax.Array  # [M, V]
+
+
+def init_pool(cfg, blocks: int, block: int, K: int, dtype) -> Pool:
+    kv = init_cache(cfg, blocks, block, dtype)
+    return Pool(kv.k, kv.v, jnp.zeros((blocks, block), jnp.float32), jnp.zeros((blocks, block, K), jnp.int32),
+                jnp.zeros((blocks, block, K), jnp.float32), jnp.zeros((blocks, cfg.vocab_size), jnp.float32))  # fmt: skip
+
+
+def pool_block_bytes(cfg, block: int, K: int, dtype) -> int:
+    """Device bytes of one pool block (KV + prompt logprobs)."""
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * block * cfg.head_dim * jnp.dtype(dtype).itemsize
+    return kv + 4 * (block + 2 * block * K + cfg.vocab_size)
 
 
 def step_outputs(logits: jax.Array, s: SlotSampling, positions: jax.Array, cfg: ProgramConfig) -> StepOut:
@@ -71,35 +109,65 @@ def is_done(ids, generated, s: SlotSampling, lengths, max_seq_len: int) -> jax.A
     return hit_stop | (generated >= s.max_tokens) | (lengths >= max_seq_len)
 
 
-def prefill_chunk_program(m: Llama, cache: KVCache | None, tokens: jax.Array, start: int, bucket: int):
-    """Prompt positions start..start+len(tokens)-1 of a bucket-long prefix (a fresh cache when start == 0);
-    they attend to everything written before them. Returns (cache [L,1,bucket,...], hidden [chunk, H])."""
-    if cache is None:
-        cache = init_cache(m.cfg, 1, bucket, m.embed.value.dtype)
-    chunk = tokens.shape[0]
-    pos = jnp.arange(start, start + chunk, dtype=jnp.int32)[None]
-    h, cache = m(tokens[None], pos, cache, start + chunk)
+def chunk_program(m: Llama, cache: KVCache, tokens: jax.Array, start, attend_len: int):
+    """Prompt positions start..start+size-1 (`start` traced) into the prefix cache [L, 1, Hkv, S, D]; they attend
+    to everything written before them, over the first `attend_len` positions (static). -> (cache, hidden)."""
+    pos = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    h, cache = m(tokens[None], pos[None], cache, attend_len)
     return cache, h[0]
 
 
-def prefill_finish_program(m: Llama, hidden: jax.Array, tokens: jax.Array, true_len, want_prompt_logprobs: bool,
-                           cfg: ProgramConfig):  # fmt: skip
-    """hidden: [bucket, H] of the whole prompt -> (last logits [V], prompt logprobs or None)."""
-    last_logits = m.logits(jax.lax.dynamic_index_in_dim(hidden, true_len - 1, keepdims=False))
-    prompt = None
-    if want_prompt_logprobs:  # entry j: logprob of token j+1 given tokens 0..j
-        lp = jax.nn.log_softmax(m.logits(hidden[:-1]), axis=-1)
-        top_vals, top_ids = top_logprobs(lp, cfg.K)
-        chosen = jnp.take_along_axis(lp, tokens[1:, None], axis=-1)[:, 0]
-        prompt = (chosen, top_ids, top_vals)
-    return last_logits, prompt
+def chunk_logprobs_program(
+    m: Llama, hidden: jax.Array, targets: jax.Array, cfg: ProgramConfig
+) -> ChunkLogprobs:
+    lp = jax.nn.log_softmax(m.logits(hidden), axis=-1)
+    top_vals, top_ids = top_logprobs(lp, cfg.K)
+    chosen = jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
+    return ChunkLogprobs(chosen, top_ids, top_vals, lp[-1])
 
 
-def prefill_program(m: Llama, tokens: jax.Array, true_len: jax.Array, bucket: int, want_prompt_logprobs: bool,
-                    cfg: ProgramConfig):  # fmt: skip
-    """A prompt bucket of at most one chunk in one program: (prefix cache, last logits [V], prompt logprobs)."""
-    cache, hidden = prefill_chunk_program(m, None, tokens, 0, bucket)
-    return (cache, *prefill_finish_program(m, hidden, tokens, true_len, want_prompt_logprobs, cfg))
+def load_program(pool: Pool, blocks: jax.Array, count, cfg: ProgramConfig) -> KVCache:
+    C = pool.k.shape[3]
+    cache = init_cache_like(pool, cfg.max_seq_len)
+
+    def put(i, kv):
+        k, v = kv
+        at = (0, 0, 0, i * C, 0)
+        k = jax.lax.dynamic_update_slice(k, jax.lax.dynamic_index_in_dim(pool.k, blocks[i], 1), at)
+        v = jax.lax.dynamic_update_slice(v, jax.lax.dynamic_index_in_dim(pool.v, blocks[i], 1), at)
+        return k, v
+
+    return KVCache(*jax.lax.fori_loop(0, count, put, (cache.k, cache.v)))
+
+
+def init_cache_like(pool: Pool, max_len: int) -> KVCache:
+    L, _, Hkv, _, D = pool.k.shape
+    shape = (L, 1, Hkv, max_len, D)
+    return KVCache(jnp.zeros(shape, pool.k.dtype), jnp.zeros(shape, pool.v.dtype))
+
+
+def store_program(pool: Pool, cache: KVCache, start, block) -> Pool:
+    L, _, Hkv, C, D = pool.k.shape
+
+    def put(dst, src):
+        part = jax.lax.dynamic_slice(src, (0, 0, 0, start, 0), (L, 1, Hkv, C, D))
+        return jax.lax.dynamic_update_slice(dst, part.astype(dst.dtype), (0, block, 0, 0, 0))
+
+    return pool._replace(k=put(pool.k, cache.k), v=put(pool.v, cache.v))
+
+
+def store_logprobs_program(pool: Pool, block, lp: ChunkLogprobs) -> Pool:
+    return pool._replace(chosen=pool.chosen.at[block].set(lp.chosen), top_ids=pool.top_ids.at[block].set(lp.top_ids),
+                         top_vals=pool.top_vals.at[block].set(lp.top_vals), last=pool.last.at[block].set(lp.last))  # fmt: skip
+
+
+def cached_logprobs_program(pool: Pool, blocks: jax.Array, targets: jax.Array):
+    """Prompt logprobs of cached blocks [len(blocks) * C, ...]: their own entries, each block's last one answered
+    from the block's kept distribution for `targets` (the first token of the block after it in this prompt)."""
+    chosen = pool.chosen[blocks].at[:, -1].set(pool.last[blocks, targets])
+    C, K = pool.chosen.shape[1], pool.top_ids.shape[2]
+    n = blocks.shape[0] * C
+    return chosen.reshape(n), pool.top_ids[blocks].reshape(n, K), pool.top_vals[blocks].reshape(n, K)
 
 
 def insert_program(state: DecodeState, prefix: KVCache, last_logits, slot, prompt_len, one: SlotSampling,
@@ -147,21 +215,28 @@ def decode_program(m: Llama, state: DecodeState, attend_len: int, batch: int, st
     return merged.replace(cache=cache), outs
 
 
-def build_programs(graphdef: Any, cfg: ProgramConfig) -> Programs:
+def build_programs(graphdef: Any, cfg: ProgramConfig, model_cfg, dtype, prefix_sharding=None) -> Programs:
+    """`dtype`: the prefix cache's (the model's); `prefix_sharding`: where a prefix cache lives on a mesh (None:
+    one device)."""
+
     def model(params) -> Llama:
         return nnx.merge(graphdef, params)
 
-    @functools.partial(jax.jit, static_argnames=("bucket", "want_prompt_logprobs"))
-    def prefill(params, tokens, true_len, bucket: int, want_prompt_logprobs: bool):
-        return prefill_program(model(params), tokens, true_len, bucket, want_prompt_logprobs, cfg)
+    @functools.partial(jax.jit, out_shardings=prefix_sharding)
+    def fresh_cache():
+        return init_cache(model_cfg, 1, cfg.max_seq_len, dtype)
 
-    @functools.partial(jax.jit, static_argnames=("start", "bucket"), donate_argnums=(1,))
-    def prefill_chunk(params, cache, tokens, start: int, bucket: int):
-        return prefill_chunk_program(model(params), cache, tokens, start, bucket)
+    @functools.partial(jax.jit, static_argnames=("attend_len",), donate_argnums=(1,))
+    def chunk(params, cache, tokens, start, attend_len: int):
+        return chunk_program(model(params), cache, tokens, start, attend_len)
 
-    @functools.partial(jax.jit, static_argnames=("want_prompt_logprobs",))
-    def prefill_finish(params, hidden, tokens, true_len, want_prompt_logprobs: bool):
-        return prefill_finish_program(model(params), hidden, tokens, true_len, want_prompt_logprobs, cfg)
+    @jax.jit
+    def chunk_logprobs(params, hidden, targets):
+        return chunk_logprobs_program(model(params), hidden, targets, cfg)
+
+    @jax.jit
+    def last_logits(params, hidden, index):
+        return model(params).logits(jax.lax.dynamic_index_in_dim(hidden, index, keepdims=False))
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def insert(state: DecodeState, prefix: KVCache, last_logits, slot, prompt_len, one: SlotSampling):
@@ -175,4 +250,9 @@ def build_programs(graphdef: Any, cfg: ProgramConfig) -> Programs:
     def release(state: DecodeState, slot):
         return state.replace(active=state.active.at[slot].set(False))
 
-    return Programs(prefill, prefill_chunk, prefill_finish, insert, decode, release)
+    store = jax.jit(store_program, donate_argnums=(0,))
+    store_logprobs = jax.jit(store_logprobs_program, donate_argnums=(0,))
+    load = jax.jit(functools.partial(load_program, cfg=cfg), out_shardings=prefix_sharding)
+    cached_logprobs = jax.jit(cached_logprobs_program)
+    return Programs(fresh_cache, chunk, chunk_logprobs, last_logits, insert, decode, release, store,
+                    store_logprobs, load, cached_logprobs)  # fmt: skip

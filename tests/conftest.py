@@ -24,6 +24,7 @@ ENGINE_SETTINGS = {
     "max_seq_len": 256,
     "steps_per_call": 8,
     "min_prefill_bucket": 32,
+    "prefill_chunk": 32,  # prefix-cache blocks of 32 tokens: tests share prompt prefixes across requests
     "min_attend_bucket": 128,
 }
 

@@ -1,5 +1,6 @@
 """Tensor parallelism on 4 fake CPU devices: an Orbax checkpoint restored straight into the sharded layout
-serves the same greedy tokens and logprobs (within 1e-5) as one device."""
+serves the same greedy tokens and logprobs (within 5e-5) as one device, and its prefix cache, split like the KV
+cache, is invisible in them."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def test_sharded_engine_matches_one_device(orbax_dir, embedded):
         assert arr.sharding.is_equivalent_to(expected[name], arr.ndim), name
     assert len(sharded.params["wq"].sharding.device_set) == 4
     assert sharded.params["w_gate"].sharding.spec[1] == "model"  # [L, I, H]: the MLP axis over the model axis
-    settings = {"slots": 4, "max_seq_len": 128, "steps_per_call": 4}  # same shapes on both sides
+    # same shapes on both sides; prefix-cache blocks of 32 tokens
+    settings = {"slots": 4, "max_seq_len": 128, "steps_per_call": 4, "prefill_chunk": 32, "min_prefill_bucket": 32}
     tp_engine = JaxEngine(sharded, mesh=mesh, **settings)
     engine = JaxEngine(embedded, **settings)
     assert tp_engine.state.cache.k.sharding.spec[1] == "data"  # slots over the data axis
@@ -57,3 +59,20 @@ def test_sharded_engine_matches_one_device(orbax_dir, embedded):
         # target was 1e-5; see README.
         assert np.abs(np.array(tp[1][1]) - np.array(one[0][1])).max() < 5e-5
         assert np.abs(np.stack(tp[1][3]) - np.stack(one[0][3])).max() < 5e-5
+    # the prefix cache on the mesh: its pool is split like the KV cache, and a warm prompt (its first blocks
+    # loaded from the pool) gives the same tokens and logprobs as a cold one
+    def kv_heads_axis(array):  # a spec may leave trailing unsplit axes out
+        return (*array.sharding.spec, None, None, None)[2]
+
+    assert kv_heads_axis(tp_engine.pool.k) == kv_heads_axis(tp_engine.state.cache.k)
+    assert len(tp_engine.pool.k.sharding.device_set) == 4
+    ids = embedded.tokenizer.encode((" ".join(PROMPTS) + " ") * 4)[:90]
+    assert len(ids) == 90
+    params = SlotParams(max_tokens=4, temperature=0.0)
+    cold, cold_prompt = run_engine(tp_engine, [(0, ids, params)], want_prompt_logprobs=True)
+    hits = tp_engine.prefix_cache_stats().hit_tokens
+    warm, warm_prompt = run_engine(tp_engine, [(0, ids, params)], want_prompt_logprobs=True)
+    assert tp_engine.prefix_cache_stats().hit_tokens - hits == 64
+    assert warm[0][0] == cold[0][0] and warm[0][1] == cold[0][1]
+    np.testing.assert_array_equal(warm_prompt.logprobs, cold_prompt.logprobs)
+    np.testing.assert_array_equal(warm_prompt.top_logprobs, cold_prompt.top_logprobs)
