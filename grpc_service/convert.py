@@ -98,6 +98,7 @@ class TokenConverter:
             if event.stop_token_id is not None:
                 response.stop_token_id = event.stop_token_id
             response.prompt_tokens_count = prompt_len
+            response.cached_prompt_tokens_count = event.cached_tokens
             response.completion_tokens_count = event.completion_tokens
             response.error_message = event.error
         return response

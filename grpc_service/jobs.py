@@ -29,6 +29,7 @@ class GenerationJob:
     stop_token_ids: frozenset[int] = frozenset()  # the request's own stop ids (finish STOP)
     eos_ids: frozenset[int] = frozenset()  # the tokenizer's EOS ids, empty with ignore_eos (finish EOS)
     prompt_logprobs: bool = False
+    cache_salt: str | None = None  # the prefix cache's namespace (None: the shared default one)
 
     @property
     def n(self) -> int:
@@ -44,6 +45,7 @@ class PromptEvent:
     """Sent once, right after the prefill, when prompt logprobs were asked."""
 
     logprobs: PromptLogprobs | None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class FirstTokenTiming(NamedTuple):
@@ -66,6 +68,7 @@ class SampleEvent:
     stop_reason: str = ""
     stop_token_id: int | None = None
     completion_tokens: int = 0  # tokens released so far (all of them on the last event)
+    cached_tokens: int = 0  # on the last event: prompt tokens whose KV came from the prefix cache
     error: str = ""
     timing: FirstTokenTiming | None = None  # on the event that carries the sample's first token
 
@@ -75,7 +78,7 @@ class SampleEvent:
         self.text += later.text
         self.finish, self.stop_reason = later.finish, later.stop_reason
         self.stop_token_id, self.error = later.stop_token_id, later.error
-        self.completion_tokens = later.completion_tokens
+        self.completion_tokens, self.cached_tokens = later.completion_tokens, later.cached_tokens
         self.timing = self.timing or later.timing
 
 

@@ -17,6 +17,7 @@ from tpuserve.grpc_service.jobs import FirstTokenTiming
 
 if TYPE_CHECKING:
     from tpuserve.grpc_service.orchestrator import Orchestrator
+    from tpuserve.sampler.api import Engine
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def compiles() -> tuple[int, float]:
 
 
 class _StateCollector:
-    """Queue depth, slots and KV-cache use, read when scraped."""
+    """Queue depth, slots, KV-cache use and the prefix cache's counters, read when scraped."""
 
     def __init__(self, orchestrator: Orchestrator) -> None:
         self.orchestrator = orchestrator
@@ -89,6 +90,46 @@ class _StateCollector:
         yield CounterMetricFamily(
             "tpuserve_backend_xla_compile_seconds", "Time spent in XLA backend compiles.", value=seconds
         )
+        yield from _prefix_cache_metrics(engine)
+
+
+def _prefix_cache_metrics(engine: Engine):
+    """The prefix cache's counters and size (engine.prefix_cache_stats(), a snapshot); none without a cache.
+    Hit rate = rate(tpuserve_backend_prefix_cache_hit_tokens_total) / rate(tpuserve_backend_prefix_cache_lookup_tokens_total)."""
+    try:
+        stats = engine.prefix_cache_stats()
+    except Exception:  # a scrape still reports everything else
+        log.exception("engine.prefix_cache_stats() failed")
+        return
+    if stats is None:
+        return
+    yield CounterMetricFamily(  # prometheus_client appends the _total of a counter's sample
+        "tpuserve_backend_prefix_cache_lookup_tokens",
+        "Prompt tokens looked up in the prefix cache (every prefilled prompt). Hit rate = hit_tokens / "
+        "lookup_tokens.",
+        value=stats.lookup_tokens,
+    )
+    yield CounterMetricFamily(
+        "tpuserve_backend_prefix_cache_hit_tokens",
+        "Prompt tokens whose KV came from the prefix cache (not recomputed). Hit rate = hit_tokens / "
+        "lookup_tokens.",
+        value=stats.hit_tokens,
+    )
+    yield CounterMetricFamily(
+        "tpuserve_backend_prefix_cache_evictions",
+        "Prefix-cache blocks evicted (least recently used) to make room.",
+        value=stats.evictions,
+    )
+    yield GaugeMetricFamily(
+        "tpuserve_backend_prefix_cache_bytes",
+        "Device bytes held by cached prefix blocks now.",
+        value=stats.cached_bytes,
+    )
+    yield GaugeMetricFamily(
+        "tpuserve_backend_prefix_cache_capacity_bytes",
+        "The prefix cache's configured budget in device bytes (prefix_cache_bytes).",
+        value=stats.capacity_bytes,
+    )
 
 
 class BackendMetrics:

@@ -53,7 +53,17 @@ class _Running:
     slots: dict[int, int] = field(default_factory=dict)  # sample index -> slot, while it holds one
     outbox: list[Event] = field(default_factory=list)
     timed: set[int] = field(default_factory=set)  # samples whose first token has been timed
-    prefill: Iterator[object] | None = None  # the engine's prefill steps, until the prefix is ready
+    prefill: Iterator[object] | None = None  # the engine's prefill steps, until the prefix is inserted
+
+    def close_prefill(self) -> None:
+        """Close the engine's prefill steps (what the engine holds for them, e.g. prefix-cache blocks, is let
+        go); idempotent, harmless on a finished iterator. Every run that leaves prefilling passes here."""
+        steps, self.prefill = self.prefill, None
+        if steps is not None and hasattr(steps, "close"):
+            try:
+                steps.close()
+            except Exception:
+                log.exception("closing the prefill of request %s failed", self.stream.job.request_id)
 
 
 @dataclass
@@ -225,8 +235,10 @@ class Orchestrator:
         if run is None:
             self._waiting.cancel(stream)  # if it still waits, it leaves at the next pass
             return
-        for index in list(run.slots):
-            run.outbox.append(run.trackers[index].end(Finish.CANCELLED))
+        run.close_prefill()  # cancelled mid-prefill: the engine lets go now, not at garbage collection
+        for index, tracker in enumerate(run.trackers):
+            if not tracker.finished:  # in a slot, or a max_tokens = 0 request still prefilling (no slot)
+                run.outbox.append(tracker.end(Finish.CANCELLED))
             self._release(run, index)
         self._close_if_done(run)
 
@@ -247,7 +259,9 @@ class Orchestrator:
         for index in range(job.n if job.max_tokens > 0 else 0):
             run.slots[index] = heapq.heappop(self._free)
         try:
-            run.prefill = self.engine.prefill_steps(list(job.prompt_ids), job.prompt_logprobs)
+            run.prefill = self.engine.prefill_steps(
+                list(job.prompt_ids), job.prompt_logprobs, cache_salt=job.cache_salt
+            )
         except Exception as exc:
             log.exception("prefill failed for request %s", job.request_id)
             self._fail(run, f"engine error: {exc}")
@@ -262,6 +276,7 @@ class Orchestrator:
             run = self._prefilling[0]
             if self._running.get(id(run.stream)) is not run:  # cancelled or failed meanwhile
                 self._prefilling.popleft()
+                run.close_prefill()
                 continue
             try:
                 prefix = next(run.prefill)
@@ -275,12 +290,16 @@ class Orchestrator:
             if prefix is not None:
                 self._prefilling.popleft()
                 self._insert(run, prefix)
+                run.close_prefill()  # after the inserts: the prefix's blocks are in the slots now
 
     def _insert(self, run: _Running, prefix: object) -> None:
         job = run.stream.job
         try:
+            cached = int(self.engine.cached_tokens(prefix))
+            for tracker in run.trackers:
+                tracker.cached_tokens = cached
             if job.prompt_logprobs:
-                run.outbox.append(PromptEvent(self.engine.prompt_logprobs(prefix)))
+                run.outbox.append(PromptEvent(self.engine.prompt_logprobs(prefix), cached))
             if job.max_tokens == 0:
                 run.outbox.extend(t.end(Finish.LENGTH) for t in run.trackers)
             for index, params in enumerate(job.samples if job.max_tokens > 0 else ()):
@@ -384,6 +403,7 @@ class Orchestrator:
         self._closed.clear()
 
     def _fail(self, run: _Running, message: str) -> None:
+        run.close_prefill()
         for index in list(run.slots):
             self._release(run, index)
         for tracker in run.trackers:
@@ -393,6 +413,8 @@ class Orchestrator:
 
     def _fail_all(self, message: str, include_queued: bool = False) -> None:
         self._inflight = None
+        for run in self._prefilling:  # failed ones are closed by _fail too; cancelled ones already were
+            run.close_prefill()
         self._prefilling.clear()
         self._firsts = []
         for run in list(self._running.values()):

@@ -25,6 +25,7 @@ class SampleTracker:
         self.max_tokens = job.samples[index].max_tokens
         self.generated = 0
         self.finished = False
+        self.cached_tokens = 0  # set at insert: the prefix cache's share of the prompt, reported at the end
         self._detok: IncrementalDetokenizer[TokenOut] = IncrementalDetokenizer(
             token_bytes, special_ids, job.stop, job.include_stop_str
         )
@@ -63,10 +64,12 @@ class SampleTracker:
             event.tokens, event.text = delta.items, delta.text
         self.finished = True
         event.completion_tokens = self._detok.released_tokens
+        event.cached_tokens = self.cached_tokens
         return event
 
     def _finish(self, event: SampleEvent) -> None:
         rest = self._detok.flush()
         event.tokens = event.tokens + rest.items
         event.text += rest.text
+        event.cached_tokens = self.cached_tokens
         self.finished = True

@@ -102,6 +102,7 @@ async def start_server(
     max_n: int | None = None,
     max_prompt_tokens: int | None = None,
     max_queue_wait_s: float | None = None,
+    prefill_budget: int | None = None,
     warmup: Callable[[Progress], None] | None = None,
     metrics_port: int = 0,
     log_prompts: bool = False,
@@ -118,6 +119,7 @@ async def start_server(
         tokenizer.special_ids,
         max_queue=max_queue,
         max_queue_wait_s=max_queue_wait_s,
+        prefill_budget=prefill_budget,
     )
     metrics = _metrics_of(orchestrator) if metrics_port else None
     servicer = TextGenerationServicer(
@@ -259,6 +261,7 @@ def _serve_options(server: ServerSettings, cfg: EngineConfig) -> dict[str, Any]:
         "max_n": cfg.max_n,
         "max_prompt_tokens": cfg.max_prompt_tokens,
         "max_queue_wait_s": cfg.max_queue_wait,
+        "prefill_budget": cfg.prefill_budget,
         "drain_timeout_s": server.drain_timeout,
         "metrics_port": server.metrics_port or 0,
         "log_prompts": server.log_prompts,

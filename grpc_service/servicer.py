@@ -34,6 +34,7 @@ class _Record:
         self.code = "OK"
         self.error = ""
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # of the prompt tokens, those whose KV came from the prefix cache
         self.completion_tokens = 0
         self.n = request.n or 1
         self.first_token: float | None = None
@@ -61,11 +62,13 @@ class _Responses:
         self.finished = [False] * job.n
 
     def prompt(self, event: PromptEvent) -> pb.GenerateResponse:
+        self.rec.cached_tokens = event.cached_tokens
         return pb.GenerateResponse(
             request_id=self.job.request_id,
             index=0,
             prompt_tokens=self.convert.prompt(self.job.prompt_ids, event.logprobs),
             prompt_tokens_count=self.prompt_len,
+            cached_prompt_tokens_count=event.cached_tokens,
         )
 
     def sample(self, event: SampleEvent) -> pb.GenerateResponse:
@@ -82,6 +85,7 @@ class _Responses:
                 metrics.tokens.inc(len(event.tokens))
         if event.finish is not None:
             self._count_finish(event.finish)
+            self.rec.cached_tokens = max(self.rec.cached_tokens, event.cached_tokens)
         msg = self.convert.response(self.job.request_id, event, self.sent[event.index], self.prompt_len)
         self.sent[event.index] += len(event.tokens)
         self.finished[event.index] = event.finish is not None
@@ -90,7 +94,9 @@ class _Responses:
     def fail_open(self, message: str) -> list[pb.GenerateResponse]:
         out = []
         for index in (i for i, done in enumerate(self.finished) if not done):
-            failed = SampleEvent(index, finish=Finish.ERROR, error=message)
+            failed = SampleEvent(
+                index, finish=Finish.ERROR, error=message, cached_tokens=self.rec.cached_tokens
+            )
             failed.completion_tokens = self.sent[index]
             self._count_finish(Finish.ERROR)
             out.append(self.convert.response(self.job.request_id, failed, self.sent[index], self.prompt_len))
@@ -166,6 +172,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             "code": rec.code,
             "n": rec.n,
             "prompt_tokens": rec.prompt_tokens,
+            "cached_tokens": rec.cached_tokens,
             "completion_tokens": rec.completion_tokens,
             "finish_reasons": rec.finish,
             "duration_ms": round((now - rec.start) * 1000, 2),

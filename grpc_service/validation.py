@@ -89,6 +89,19 @@ def prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits
     return ids
 
 
+MAX_CACHE_SALT = 256  # characters, as the gateway's bound
+
+
+def _cache_salt(request: pb.GenerateRequest) -> str | None:
+    if not request.HasField("cache_salt"):
+        return None
+    if not 0 < len(request.cache_salt) <= MAX_CACHE_SALT:
+        raise InvalidRequest(
+            "cache_salt", f"1 to {MAX_CACHE_SALT} characters, got {len(request.cache_salt)}"
+        )
+    return request.cache_salt
+
+
 def _sampling(s: pb.SamplingParams) -> dict[str, float | int]:
     out: dict[str, float | int] = {}
     if s.HasField("temperature"):
@@ -162,6 +175,7 @@ def build_job(
     if not 0 <= top <= limits.max_top_logprobs:
         raise InvalidRequest("logprobs.top_logprobs", f"must be in 0..{limits.max_top_logprobs}, got {top}")
     sampling = _sampling(request.sampling)
+    cache_salt = _cache_salt(request)
     stopping = request.stopping
     if any(not s for s in stopping.stop):
         raise InvalidRequest("stopping.stop", "stop strings must not be empty")
@@ -184,4 +198,5 @@ def build_job(
         stop_token_ids=frozenset(stopping.stop_token_ids),
         eos_ids=eos,
         prompt_logprobs=request.logprobs.prompt_logprobs,
+        cache_salt=cache_salt,
     )

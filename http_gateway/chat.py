@@ -34,7 +34,7 @@ def to_proto(req: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
     chat = pb.ChatMessages(
         messages=[pb.ChatMessage(role=_ROLES.get(m.role, m.role), content=m.text()) for m in req.messages]
     )
-    return pb.GenerateRequest(
+    msg = pb.GenerateRequest(
         request_id=request_id,
         chat=chat,
         sampling=proto_mapping.sampling(req.temperature, req.top_p, req.seed),
@@ -42,6 +42,7 @@ def to_proto(req: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
         logprobs=pb.LogprobOptions(enabled=bool(req.logprobs), top_logprobs=req.top_logprobs or 0),
         n=req.n or 1,
     )
+    return proto_mapping.cache_salt(msg, req.cache_salt)
 
 
 class ShownTokens:
@@ -114,7 +115,7 @@ async def _complete(stream: GenerateStream, req: ChatCompletionRequest, request_
         created=int(time.time()),
         model=req.model,
         choices=choices,
-        usage=Usage.of(gen.prompt_tokens_count, completion_tokens),
+        usage=Usage.of(gen.prompt_tokens_count, completion_tokens, gen.cached_prompt_tokens_count),
     )
 
 
@@ -138,7 +139,7 @@ async def _chunks(stream: GenerateStream, req: ChatCompletionRequest, request_id
                 )
             ]
         )
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = cached_tokens = completion_tokens = 0
     shown: dict[int, ShownTokens] = {}
     async for msg in messages(stream):
         sample = shown.setdefault(msg.index, ShownTokens())
@@ -154,6 +155,7 @@ async def _chunks(stream: GenerateStream, req: ChatCompletionRequest, request_id
             )
         if msg.finished:
             prompt_tokens = max(prompt_tokens, msg.prompt_tokens_count)
+            cached_tokens = max(cached_tokens, msg.cached_prompt_tokens_count)  # one prompt: the same on each
             completion_tokens += sample.completion_tokens(msg)
             yield chunk(
                 [
@@ -169,5 +171,5 @@ async def _chunks(stream: GenerateStream, req: ChatCompletionRequest, request_id
             created=created,
             model=req.model,
             choices=[],
-            usage=Usage.of(prompt_tokens, completion_tokens),
+            usage=Usage.of(prompt_tokens, completion_tokens, cached_tokens),
         ).dump()

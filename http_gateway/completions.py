@@ -54,7 +54,7 @@ def to_proto(req: CompletionRequest, prompt: str | list[int], request_id: str) -
         msg.text = prompt
     else:
         msg.token_ids.ids.extend(prompt)
-    return msg
+    return proto_mapping.cache_salt(msg, req.cache_salt)
 
 
 def _ranks(req: CompletionRequest) -> bool:
@@ -135,9 +135,10 @@ async def _complete(jobs: list[PromptJob], req: CompletionRequest, request_id: s
     n = req.n or 1
     gens = await asyncio.gather(*(collect(job.stream, req.best_of or n) for job in jobs))
     choices: list[CompletionChoice] = []
-    prompt_tokens = completion_tokens = 0
-    for job, gen in zip(jobs, gens, strict=True):
+    prompt_tokens = cached_tokens = completion_tokens = 0
+    for job, gen in zip(jobs, gens, strict=True):  # each prompt counted once, whatever n
         prompt_tokens += gen.prompt_tokens_count
+        cached_tokens += gen.cached_prompt_tokens_count
         samples = [gen.samples[i] for i in sorted(gen.samples)]
         completion_tokens += sum(s.final.completion_tokens_count for s in samples if s.final is not None)
         if _ranks(req):
@@ -164,7 +165,7 @@ async def _complete(jobs: list[PromptJob], req: CompletionRequest, request_id: s
         created=int(time.time()),
         model=req.model,
         choices=choices,
-        usage=Usage.of(prompt_tokens, completion_tokens),
+        usage=Usage.of(prompt_tokens, completion_tokens, cached_tokens),
     )
 
 
@@ -211,7 +212,8 @@ async def _chunks(jobs: list[PromptJob], req: CompletionRequest, request_id: str
     prompt_tokens: dict[int, list[pb.Token]] = {}
     logprobs: dict[int, CompletionLogprobs] = {}
     started: set[int] = set()
-    prompt_counts: dict[int, int] = {}
+    prompt_counts: dict[int, int] = {}  # prompt index -> its prompt tokens (each prompt once, whatever n)
+    cached_counts: dict[int, int] = {}  # prompt index -> of those, the prefix cache's
     completion_tokens = 0
 
     def chunk(choice: CompletionChoice) -> str:
@@ -237,6 +239,7 @@ async def _chunks(jobs: list[PromptJob], req: CompletionRequest, request_id: str
                 lp.add(t)
         if msg.finished:
             prompt_counts[job.index] = msg.prompt_tokens_count
+            cached_counts[job.index] = msg.cached_prompt_tokens_count
             completion_tokens += msg.completion_tokens_count
         if not (text or msg.tokens or msg.finished):
             continue
@@ -255,5 +258,5 @@ async def _chunks(jobs: list[PromptJob], req: CompletionRequest, request_id: str
             created=created,
             model=req.model,
             choices=[],
-            usage=Usage.of(sum(prompt_counts.values()), completion_tokens),
+            usage=Usage.of(sum(prompt_counts.values()), completion_tokens, sum(cached_counts.values())),
         ).dump()

@@ -1,4 +1,4 @@
-"""Request fields shared by both endpoints -> proto `SamplingParams` / `StoppingCriteria`."""
+"""Request fields shared by both endpoints -> proto `SamplingParams` / `StoppingCriteria` / `cache_salt`."""
 
 from __future__ import annotations
 
@@ -21,6 +21,13 @@ def sampling(temperature: float | None, top_p: float | None, seed: int | None) -
     if seed is not None:
         params.seed = proto_seed(seed)
     return params
+
+
+def cache_salt(msg: pb.GenerateRequest, salt: str | None) -> pb.GenerateRequest:
+    """Sets the request's prefix-cache namespace when one was given (absent: the default one)."""
+    if salt is not None:
+        msg.cache_salt = salt
+    return msg
 
 
 def stopping(max_tokens: int | None, stop: list[str]) -> pb.StoppingCriteria:

@@ -23,6 +23,8 @@ Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Stop = str | Annotated[list[str], Field(max_length=MAX_STOP)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 INT32_MAX = 2**31 - 1  # the proto's int32 max_tokens: a larger value would fail as a 500 when mapped
+MAX_CACHE_SALT = 256  # characters (the backend's bound too)
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)]  # vLLM rejects an empty salt too
 
 
 class _Strict(BaseModel):
@@ -67,6 +69,11 @@ class _Common(_Strict):
     logit_bias: dict[str, int] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    cache_salt: CacheSalt | None = Field(
+        None,
+        description="vLLM's cache_salt: requests with different salts never share cached prompt prefixes "
+        "(tenants cannot learn of each other's prompts from timing). Absent: the shared default namespace.",
+    )
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -34,14 +34,24 @@ class ChoiceLogprobs(OpenAIObject):
     refusal: list[TokenLogprob] | None
 
 
+class PromptTokensDetails(OpenAIObject):
+    cached_tokens: int  # prompt tokens whose KV came from the backend's prefix cache
+
+
 class Usage(OpenAIObject):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
     @classmethod
-    def of(cls, prompt: int, completion: int) -> Usage:
-        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    def of(cls, prompt: int, completion: int, cached: int = 0) -> Usage:
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
 
 
 class ChatMessageOut(OpenAIObject):

@@ -65,6 +65,7 @@ class Generation:
     samples: dict[int, Sample]
     prompt_tokens: list[pb.Token]
     prompt_tokens_count: int
+    cached_prompt_tokens_count: int = 0  # of those, the tokens the backend's prefix cache had
 
 
 async def messages(stream: GenerateStream) -> AsyncIterator[pb.GenerateResponse]:
@@ -76,7 +77,7 @@ async def messages(stream: GenerateStream) -> AsyncIterator[pb.GenerateResponse]
 async def collect(stream: GenerateStream, n: int) -> Generation:
     samples = {i: Sample(i) for i in range(n)}
     prompt_tokens: list[pb.Token] = []
-    count = 0
+    count = cached = 0
     async for msg in messages(stream):
         if msg.prompt_tokens:
             prompt_tokens = list(msg.prompt_tokens)
@@ -87,6 +88,7 @@ async def collect(stream: GenerateStream, n: int) -> Generation:
         if msg.finished:
             sample.final = msg
             count = max(count, msg.prompt_tokens_count)
+            cached = max(cached, msg.cached_prompt_tokens_count)
     missing = [s.index for s in samples.values() if s.final is None]
     if missing:
         raise APIError(
@@ -96,4 +98,4 @@ async def collect(stream: GenerateStream, n: int) -> Generation:
             None,
             "backend_error",
         )
-    return Generation(samples, prompt_tokens, count)
+    return Generation(samples, prompt_tokens, count, cached)

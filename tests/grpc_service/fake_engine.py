@@ -4,6 +4,12 @@ Sample tokens come from `scripts[prompt]` or `script(prompt, seed)` (a list of i
 default token j of a sample is `pool[(seed + j) % len(pool)]`. Logprob of generated token j: -0.25 * (j % 4 + 1); alternative k (k = 0 is the
 sampled token): id (token + k) % vocab, logprob `logprob - k / 2`. Prompt token j (j >= 1): logprob -j / 8,
 alternative k: id (token + k) % vocab, logprob -j / 8 - k / 2.
+
+Prefix cache (host-only, no KV): a finished prefill stores its prompt's full blocks of BLOCK tokens under its
+cache_salt; a later prompt of the same salt gets `cached_tokens` = BLOCK x its leading blocks stored, at most
+len - 1 tokens (the last one is always computed): the longest common prefix with an earlier prompt of that salt,
+rounded down to a block. Each stored block counts BLOCK_BYTES; over `prefix_cache_bytes` the least recently
+used blocks are evicted. Outputs never depend on the cache (the real engine's promise).
 """
 
 from __future__ import annotations
@@ -12,12 +18,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from tpuserve.sampler.api import (
     MAX_TOP_LOGPROBS,
     Engine,
     Pending,
+    PrefixCacheStats,
     PromptLogprobs,
     SlotParams,
     StepArrays,
@@ -25,6 +33,8 @@ from tpuserve.sampler.api import (
 )
 
 K = MAX_TOP_LOGPROBS
+BLOCK = 4  # tokens per prefix-cache block
+BLOCK_BYTES = 64  # what one stored block counts in cached_bytes
 
 
 def token_logprob(j: int) -> float:
@@ -33,6 +43,12 @@ def token_logprob(j: int) -> float:
 
 def prompt_logprob(j: int) -> float:
     return -j / 8
+
+
+class FakePrefix(NamedTuple):
+    tokens: tuple[int, ...]
+    wanted: bool  # prompt logprobs asked
+    cached: int  # prompt tokens from the prefix cache
 
 
 @dataclass
@@ -56,6 +72,7 @@ class FakeEngine(Engine):
         script: Callable[[tuple[int, ...], int], Sequence[int]] | None = None,
         delay_s: float = 0.0,
         prefill_chunk: int = 512,
+        prefix_cache_bytes: int | None = 1 << 20,
     ) -> None:
         self.vocab_size = vocab_size
         self.slots = slots
@@ -76,6 +93,13 @@ class FakeEngine(Engine):
         self.releases: list[int] = []
         self.generate_calls = 0
         self._active: dict[int, _Slot] = {}
+        # prefix cache (None or 0 bytes: off): (salt, prompt[:BLOCK * k]) -> stored, least recently used first
+        self.prefix_cache_bytes = prefix_cache_bytes or 0
+        self.blocks: dict[tuple[str | None, tuple[int, ...]], None] = {}
+        self.salts: list[str | None] = []  # cache_salt of each prefill, as `prefills`
+        self.lookup_tokens = self.hit_tokens = self.evictions = 0
+        self.open_prefills = 0  # prefill_steps iterators started and not yet finished or closed
+        self.abandoned: list[list[int]] = []  # prompts whose prefill steps were closed before the prefix
 
     # ---- hand-computable outputs -----------------------------------------------------------------------
 
@@ -102,20 +126,75 @@ class FakeEngine(Engine):
 
     # ---- Engine ---------------------------------------------------------------------------------------
 
-    def prefill(self, tokens: list[int], want_prompt_logprobs: bool = False) -> tuple[tuple[int, ...], bool]:
+    # ---- the prefix cache ---------------------------------------------------------------------------
+
+    def _lookup_and_store(self, tokens: tuple[int, ...], salt: str | None) -> int:
+        """Prompt tokens found in the cache (its leading stored blocks, at most len - 1 tokens); then store its
+        blocks."""
+        if not self.prefix_cache_bytes:
+            return 0
+        hit = 0
+        while hit + BLOCK <= len(tokens) - 1 and (salt, tokens[: hit + BLOCK]) in self.blocks:
+            hit += BLOCK
+        self.lookup_tokens += len(tokens)
+        self.hit_tokens += hit
+        for end in range(BLOCK, len(tokens) + 1, BLOCK):
+            key = (salt, tokens[:end])
+            self.blocks.pop(key, None)  # used again: now the most recent
+            self.blocks[key] = None
+        while len(self.blocks) * BLOCK_BYTES > self.prefix_cache_bytes:
+            del self.blocks[next(iter(self.blocks))]
+            self.evictions += 1
+        return hit
+
+    def cached_tokens(self, prefix: FakePrefix) -> int:
+        return prefix.cached
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        if not self.prefix_cache_bytes:
+            return None
+        return PrefixCacheStats(
+            lookup_tokens=self.lookup_tokens,
+            hit_tokens=self.hit_tokens,
+            cached_bytes=len(self.blocks) * BLOCK_BYTES,
+            capacity_bytes=self.prefix_cache_bytes,
+            evictions=self.evictions,
+        )
+
+    # ---- Engine ---------------------------------------------------------------------------------------
+
+    def prefill(
+        self, tokens: list[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None
+    ) -> FakePrefix:
         self.prefills.append(list(tokens))
+        self.salts.append(cache_salt)
         if self.fail_prefill(tokens):
             raise RuntimeError("fake prefill failure")
-        return tuple(tokens), want_prompt_logprobs
+        cached = self._lookup_and_store(tuple(tokens), cache_salt)
+        return FakePrefix(tuple(tokens), want_prompt_logprobs, cached)
 
-    def prefill_steps(self, tokens: list[int], want_prompt_logprobs: bool = False):
-        """One step per `prefill_chunk` tokens, like the real engine's chunked prefill."""
+    def prefill_steps(
+        self, tokens: list[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None
+    ):
+        """One step per `prefill_chunk` tokens, like the real engine's chunked prefill. An iterator closed
+        before it yielded its prefix (a request cancelled mid-prefill) is recorded in `abandoned`."""
         steps = max(1, -(-len(tokens) // self.prefill_chunk))
-        for _ in range(steps - 1):
+        self.open_prefills += 1
+        done = False
+        try:
+            for _ in range(steps - 1):
+                self.log.append("prefill")
+                yield None
             self.log.append("prefill")
-            yield None
-        self.log.append("prefill")
-        yield self.prefill(tokens, want_prompt_logprobs)
+            prefix = self.prefill(tokens, want_prompt_logprobs, cache_salt)
+            done = True
+            yield prefix
+        except GeneratorExit:
+            if not done:
+                self.abandoned.append(list(tokens))
+            raise
+        finally:
+            self.open_prefills -= 1
 
     def start_generate(self) -> Pending[StepArrays]:
         """Deferred until read, as the real engine's asynchronous dispatch: the orchestrator dispatches the next
@@ -123,8 +202,8 @@ class FakeEngine(Engine):
         live = dict(self._active)  # what the call computes: the samples in the slots now, not later ones
         return Pending(lambda: self.generate(only=live))
 
-    def prompt_logprobs(self, prefix: tuple[tuple[int, ...], bool]) -> PromptLogprobs | None:
-        tokens, wanted = prefix
+    def prompt_logprobs(self, prefix: FakePrefix) -> PromptLogprobs | None:
+        tokens, wanted = prefix.tokens, prefix.wanted
         if not wanted:
             return None
         rows = range(1, len(tokens))
@@ -135,10 +214,10 @@ class FakeEngine(Engine):
         top_lps = (lps[:, None] - np.arange(K)[None, :] / 2).astype(np.float32)
         return PromptLogprobs(lps, top_ids, top_lps)
 
-    def insert(self, prefix: tuple[tuple[int, ...], bool], slot: int, params: SlotParams) -> TokenOut:
+    def insert(self, prefix: FakePrefix, slot: int, params: SlotParams) -> TokenOut:
         assert slot not in self._active, f"slot {slot} inserted while still active"
         assert 0 <= slot < self.slots
-        tokens, _ = prefix
+        tokens = prefix.tokens
         state = _Slot(self.continuation(tokens, params.seed), params, len(tokens))
         self._active[slot] = state
         self.inserts.append((slot, params))

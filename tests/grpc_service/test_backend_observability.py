@@ -185,3 +185,49 @@ def test_max_prompt_tokens_is_invalid_argument_naming_it(observed: ServerThread)
     assert (
         scrape(observed.server.metrics_port)['tpuserve_backend_requests_total{code="INVALID_ARGUMENT"}'] >= 1
     )
+
+
+def test_prefix_cache_metrics_follow_the_engine(observed: ServerThread) -> None:
+    """The prefix cache's counters and gauges are the engine's prefix_cache_stats(); the HELP says how to get
+    the hit rate."""
+    port = observed.server.metrics_port
+    ids = pb.TokenIds(ids=[2000 + i for i in range(10)])
+    before = scrape(port)
+    for _ in range(2):  # the second run finds 8 of the 10 tokens (fake_engine.py: blocks of 4, not the last)
+        generate(
+            observed.stub, token_ids=ids, cache_salt="metrics", stopping=pb.StoppingCriteria(max_tokens=1)
+        )
+    after = scrape(port)
+    assert (
+        after["tpuserve_backend_prefix_cache_lookup_tokens_total"]
+        - before["tpuserve_backend_prefix_cache_lookup_tokens_total"]
+        == 20
+    )
+    assert (
+        after["tpuserve_backend_prefix_cache_hit_tokens_total"] - before["tpuserve_backend_prefix_cache_hit_tokens_total"]
+        == 8
+    )
+    stats = observed.engine.prefix_cache_stats()
+    assert after["tpuserve_backend_prefix_cache_bytes"] == stats.cached_bytes > 0
+    assert after["tpuserve_backend_prefix_cache_capacity_bytes"] == stats.capacity_bytes == 1 << 20
+    assert after["tpuserve_backend_prefix_cache_evictions_total"] == stats.evictions == 0
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    assert "# TYPE tpuserve_backend_prefix_cache_hit_tokens_total counter" in text
+    assert "# TYPE tpuserve_backend_prefix_cache_bytes gauge" in text
+    help_line = next(
+        ln for ln in text.splitlines() if ln.startswith("# HELP tpuserve_backend_prefix_cache_hit_tokens")
+    )
+    assert "hit rate" in help_line.lower()
+
+
+def test_prefix_cache_metrics_are_absent_without_a_cache(tokenizer) -> None:
+    engine = make_engine(tokenizer, slots=2, max_seq_len=128, prefix_cache_bytes=None)
+    server = ServerThread(engine, tokenizer, metrics_port=free_port())
+    try:
+        out = generate(server.stub, text="hello", stopping=pb.StoppingCriteria(max_tokens=1))
+        assert out[-1].cached_prompt_tokens_count == 0
+        names = scrape(server.server.metrics_port)
+        assert "tpuserve_backend_slots" in names
+        assert not [n for n in names if n.startswith("tpuserve_prefix_cache")]
+    finally:
+        server.close()

@@ -214,3 +214,36 @@ def test_engine_error_is_internal(served):
         )
         == 2
     )
+
+
+def test_cached_prompt_tokens_reach_every_final_message(served):
+    """The fake engine's cache (fake_engine.py): a repeat of a 10-token prompt under the same salt finds 8 tokens
+    (2 blocks of 4; the last token is always computed). The count is on each sample's final message and on the
+    prompt-logprobs message, 0 elsewhere; another salt or none shares nothing."""
+    ids = [1000 + i for i in range(10)]  # a prompt no other test sends
+
+    def run(**fields):
+        return generate(
+            served.stub,
+            token_ids=pb.TokenIds(ids=ids),
+            stopping=pb.StoppingCriteria(max_tokens=3),
+            sampling=pb.SamplingParams(seed=5),
+            **fields,
+        )
+
+    def finals(responses):
+        return [
+            (r.index, r.prompt_tokens_count, r.cached_prompt_tokens_count) for r in responses if r.finished
+        ]
+
+    cold = run(cache_salt="test-generate", n=2)
+    warm = run(cache_salt="test-generate", n=2, logprobs=pb.LogprobOptions(prompt_logprobs=True))
+    assert sorted(finals(cold)) == [(0, 10, 0), (1, 10, 0)]
+    assert sorted(finals(warm)) == [(0, 10, 8), (1, 10, 8)]
+    assert warm[0].prompt_tokens and warm[0].cached_prompt_tokens_count == 8
+    assert all(r.cached_prompt_tokens_count == 0 for r in warm[1:] if not r.finished)
+    assert [tokens_of(cold, i) for i in range(2)] == [tokens_of(warm, i) for i in range(2)]  # same outputs
+    assert finals(run(cache_salt="another tenant")) == [(0, 10, 0)]
+    assert finals(run()) == [(0, 10, 0)]  # absent: the default namespace, which has not seen it
+    assert finals(run()) == [(0, 10, 8)]
+    assert served.engine.salts[-5:] == ["test-generate", "test-generate", "another tenant", None, None]

@@ -373,3 +373,109 @@ def test_no_decode_call_nobody_needs():
         orch.close()
     assert samples(events)[0][-1].completion_tokens == 9
     assert engine.generate_calls == 2
+
+
+# ---- prefix cache: the salt goes down, the cached count comes up, abandoned prefills are closed ----------------
+
+
+def test_cache_salt_reaches_the_engine_and_cached_tokens_every_last_event():
+    """The fake cache: the longest common prefix with an earlier prompt of the same salt, in blocks of 4, at most
+    len - 1. Every sample's last event (and the prompt event) carries it; different salts never share."""
+    engine = FakeEngine(VOCAB, EOS)
+    orch = make(engine)
+    prompt = (1, 2, 3, 4, 5, 6, 7, 1, 2, 3)  # 10 tokens: a warm repeat finds 2 blocks (8 <= 9)
+    try:
+        cold = asyncio.run(collect(orch, job(prompt=prompt, n=2, max_tokens=3, cache_salt="a")))
+        warm = asyncio.run(collect(orch, job(prompt=prompt, n=2, max_tokens=3, cache_salt="a", plp=True)))
+        partial = asyncio.run(collect(orch, job(prompt=(1, 2, 3, 4, 5, 7), max_tokens=3, cache_salt="a")))
+        other_salt = asyncio.run(collect(orch, job(prompt=prompt, max_tokens=3, cache_salt="b")))
+        no_salt = asyncio.run(collect(orch, job(prompt=prompt, max_tokens=3)))
+        scored = asyncio.run(collect(orch, job(prompt=prompt, max_tokens=0, plp=True, cache_salt="b")))
+    finally:
+        orch.close()
+    assert engine.salts == ["a", "a", "a", "b", None, "b"]
+
+    def cached(events) -> dict[int, int]:
+        return {i: evs[-1].cached_tokens for i, evs in samples(events).items()}
+
+    assert cached(cold) == {0: 0, 1: 0}
+    assert cached(warm) == {0: 8, 1: 8} and warm[0].cached_tokens == 8  # the PromptEvent too
+    assert all(e.cached_tokens == 0 for evs in samples(warm).values() for e in evs[:-1])  # only the last
+    assert cached(partial) == {0: 4}  # common prefix (1, 2, 3, 4, 5): one block
+    assert cached(other_salt) == {0: 0} and cached(no_salt) == {0: 0}
+    assert cached(scored) == {0: 8} and scored[0].cached_tokens == 8
+    # the outputs are the same, cached or not
+    assert [t.token_id for e in samples(cold)[0] for t in e.tokens] == [
+        t.token_id for e in samples(warm)[0] for t in e.tokens
+    ]
+    assert engine.open_prefills == 0 and engine.abandoned == []  # every prefill iterator was closed
+
+
+async def drain(stream, timeout: float = 10.0) -> list:
+    """The rest of a stream's events; fails (instead of hanging) when it does not end in time."""
+
+    async def rest() -> list:
+        return [e async for e in stream.events()]
+
+    return await asyncio.wait_for(rest(), timeout)
+
+
+async def prefill_begun(engine: FakeEngine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.open_prefills == 0:
+        assert time.monotonic() < deadline, "the prefill never began"
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("max_tokens", [3, 0], ids=["sampling", "scoring"])
+def test_cancel_mid_prefill_closes_the_prefill_iterator(max_tokens):
+    """A request cancelled while its long prompt is prefilled chunk by chunk: its iterator is closed at once (the
+    engine lets go of what it holds), its slot is free, and it never finishes the prefill."""
+    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3], steps_per_call=2, prefill_chunk=4, delay_s=0.005)
+    orch = make(engine)
+    long_prompt = tuple([1, 2, 3, 4] * 100)  # 100 chunks, one per decode call while `running` decodes
+
+    async def main():
+        running = orch.submit(job(prompt=(1, 2), max_tokens=400))
+        await running.events().__anext__()
+        long = orch.submit(job(prompt=long_prompt, max_tokens=max_tokens, plp=max_tokens == 0))
+        await prefill_begun(engine)
+        orch.cancel(long)
+        ended = await drain(long)
+        closed_by_then = list(
+            engine.abandoned
+        )  # closed before its CANCELLED was delivered, not at collection
+        orch.cancel(running)
+        return ended, closed_by_then, await drain(running)
+
+    try:
+        ended, closed_by_then, _ = asyncio.run(main())
+    finally:
+        orch.close()
+    assert closed_by_then == [list(long_prompt)]
+    assert engine.abandoned == [list(long_prompt)] and engine.open_prefills == 0
+    assert list(long_prompt) not in engine.prefills  # the prefill never finished
+    assert samples(ended)[0][-1].finish is Finish.CANCELLED
+    assert orch.free_slots == engine.slots and engine.active_slots == []
+
+
+def test_an_engine_failure_closes_the_prefills_in_progress():
+    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3], steps_per_call=2, prefill_chunk=4, delay_s=0.005)
+    orch = make(engine)
+    long_prompt = tuple([1, 2, 3, 4] * 100)
+
+    async def main():
+        running = orch.submit(job(prompt=(1, 2), max_tokens=400))
+        await running.events().__anext__()
+        long = orch.submit(job(prompt=long_prompt, max_tokens=3))
+        await prefill_begun(engine)
+        engine.fail_generate = True  # the next decode call fails every request, the prefilling one too
+        return await drain(long), await drain(running)
+
+    try:
+        long_events, running_events = asyncio.run(main())
+    finally:
+        orch.close()
+    assert isinstance(long_events[-1], ErrorEvent) and isinstance(running_events[-1], ErrorEvent)
+    assert engine.abandoned == [list(long_prompt)] and engine.open_prefills == 0
+    assert orch.free_slots == engine.slots

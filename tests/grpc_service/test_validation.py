@@ -55,6 +55,8 @@ CASES = {
         {"stopping": pb.StoppingCriteria(stop_token_ids=range(100, 101 + MAX_STOP_IDS))},
         "stopping.stop_token_ids",
     ),
+    "cache_salt over 256 characters": ({"cache_salt": "s" * 257}, "cache_salt"),
+    "cache_salt empty": ({"cache_salt": ""}, "cache_salt"),
 }
 
 
@@ -86,6 +88,10 @@ def test_limits_are_inclusive(served):
         logprobs=pb.LogprobOptions(prompt_logprobs=True),
     )
     assert len(scored[0].prompt_tokens) == S
+    salted = generate(
+        served.stub, text="hello", cache_salt="é" * 256, stopping=pb.StoppingCriteria(max_tokens=1)
+    )
+    assert salted[-1].finished and served.engine.salts[-1] == "é" * 256  # characters, not UTF-8 bytes
 
 
 def test_absent_max_tokens_fills_the_context(served):

@@ -8,7 +8,9 @@ What a sample generates is scripted by the prompt (the last chat message, or the
 - `say:<text>` generates <text> (up to a newline) and then the EOS; no directive: DEFAULT_REPLY then the EOS;
 - `loop:<text>` repeats <text> without an EOS (finish by max_tokens); `slow:` before it sleeps per token;
 - `fail:<CODE>:<message>` aborts with that gRPC status; `failmid:` aborts after the first message;
-  `endwith:<REASON>` ends every sample after its first token with FINISH_REASON_<REASON> (ERROR, CANCELLED).
+  `endwith:<REASON>` ends every sample after its first token with FINISH_REASON_<REASON> (ERROR, CANCELLED);
+- `cached:<k>` anywhere in it: the prefix cache "had" min(k, prompt tokens - 1) of the prompt
+  (cached_prompt_tokens_count, on every message that has prompt_tokens_count); without it, 0.
 
 Logprobs are hand-computable: sample s, token j: `logprob(j, s) = -(0.1 * (j % 5 + 1)) / (s + 1)` (later
 samples are "better", for best_of); alternatives (`alternatives`) put the sampled token first, except at
@@ -196,6 +198,14 @@ def script_for(text: str) -> Script:
     return Script(encode(DEFAULT_REPLY, False), slow=slow, fail_mid="failmid:" in text)
 
 
+def cached_for(text: str, prompt_len: int) -> int:
+    """The `cached:<k>` directive: the prompt tokens the backend reports as read from its prefix cache."""
+    if "cached:" not in text:
+        return 0
+    digits = text.split("cached:", 1)[1].split()[0]
+    return max(0, min(int(digits), prompt_len - 1))
+
+
 def detokenizer(stopping: pb.StoppingCriteria) -> IncrementalDetokenizer[pb.Token]:
     """One sample's text, released by the backend's own detokenizer (grpc_service/detokenize.py): the gateway's
     stop-string and partial-character tests test those rules, not a copy of them."""
@@ -264,14 +274,23 @@ class ScriptedServicer(pb_grpc.TextGenerationServicer):
         has_max = request.stopping.HasField("max_tokens")
         max_tokens = request.stopping.max_tokens if has_max else CONTEXT - len(prompt_ids)
         opts = request.logprobs
+        cached = cached_for(script_text, len(prompt_ids))
         try:
             if opts.prompt_logprobs:
                 prompt = [
                     make_token(t, p, None if p == 0 else -1.0 - 0.01 * p, p, opts)
                     for p, t in enumerate(prompt_ids)
                 ]
-                yield pb.GenerateResponse(request_id=request.request_id, index=0, prompt_tokens=prompt)
+                yield pb.GenerateResponse(
+                    request_id=request.request_id,
+                    index=0,
+                    prompt_tokens=prompt,
+                    prompt_tokens_count=len(prompt_ids),
+                    cached_prompt_tokens_count=cached,
+                )
             async for msg in self._samples(request, context, script, n, max_tokens, len(prompt_ids)):
+                if msg.finished:
+                    msg.cached_prompt_tokens_count = cached
                 yield msg
         except (asyncio.CancelledError, GeneratorExit):
             # a cancel lands as CancelledError at an await, or as GeneratorExit when it finds the generator

@@ -6,6 +6,8 @@
 2. Prompt logprobs (`echo, max_tokens: 0, logprobs: 5`) match transformers' teacher-forced log_softmax.
 3. LangChain's `ChatOpenAI`, unmodified (sends `max_completion_tokens` and `"stream": false`).
 4. The official Node SDK (`openai` on npm), one streamed chat completion with `top_logprobs: 2`.
+5. The prefix cache: a warm repeat reports its cached prompt tokens and returns the same tokens and logprobs;
+   another cache_salt shares nothing.
 
 Generation is on CPU here: max_tokens stay small.
 """
@@ -393,3 +395,51 @@ def test_node_sdk_streamed_chat_with_logprobs(real) -> None:
         assert e["token"] == top[0]["token"] and e["logprob"] == pytest.approx(top[0]["logprob"])  # greedy
     assert out["finish_reason"] in ("stop", "length")
     assert out["usage"]["completion_tokens"] == len(entries)  # chat: an ending EOS is neither
+
+
+# ---- 5. The prefix cache -----------------------------------------------------------------------------------
+
+
+def test_prefix_cache_shows_only_in_cached_tokens(real, real_backend) -> None:
+    """design.md: cold and warm requests return identical tokens and logprobs; `cache_salt` separates tenants.
+    The engine caches whole blocks of prefill_chunk tokens, never the prompt's last token."""
+    _, model, http = real
+    engine = real_backend.engine
+    assert engine.prefix_cache_stats() is not None, "the shared test engine runs with its prefix cache on"
+    block = engine.prefill_chunk
+    content = "Summarize in one sentence why caching the keys and values of a shared prompt prefix saves time. " * 2
+
+    def ask(salt: str) -> dict:
+        return _post(http, "/v1/chat/completions", {
+            "model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 3,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2, "cache_salt": salt})  # fmt: skip
+
+    salt = f"real-e2e-{os.getpid()}"
+    cold, warm, other = ask(salt), ask(salt), ask(salt + "-other")
+    length = cold["usage"]["prompt_tokens"]
+    assert length > block
+    assert cold["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert warm["usage"]["prompt_tokens_details"] == {"cached_tokens": (length - 1) // block * block}
+    assert other["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert warm["choices"] == cold["choices"] == other["choices"]  # text and logprobs, bit for bit
+
+
+def test_prefix_cache_echo_scoring_of_a_prompt_list_is_bit_identical(real) -> None:
+    """lm-eval's pattern: one context, several continuations in one request (`echo`, `max_tokens: 0`); each prompt
+    may hit the blocks of the one before it in the list. Every prompt logprob, top alternative included, equals
+    the same prompt scored alone and cold (its own salt)."""
+    _, model, http = real
+    context = "The lighthouse keeper wrote in his log every evening, noting the wind and the ships that passed. " * 3
+    prompts = [context + ending for ending in (" Then he slept.", " Then he sailed away at dawn.")]
+
+    def score(prompt, salt: str) -> dict:
+        return _post(http, "/v1/completions", {"model": model, "prompt": prompt, "echo": True, "max_tokens": 0,
+                                               "logprobs": 2, "cache_salt": salt})  # fmt: skip
+
+    salt = f"real-e2e-echo-{os.getpid()}"
+    together = score(prompts, salt)
+    assert together["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the second hit the first's blocks
+    for i, prompt in enumerate(prompts):
+        alone = score(prompt, f"{salt}-alone-{i}")
+        assert alone["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert together["choices"][i]["logprobs"] == alone["choices"][0]["logprobs"]

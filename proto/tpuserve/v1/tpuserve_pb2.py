@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atpuserve/v1/tpuserve.proto\x12\x0btpuserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"x\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.tpuserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xb0\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seed\"\x8e\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\x18\n\x10include_stop_str\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokens\"P\n\x0eLogprobOptions\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x02 \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x03 \x01(\x08\"\xe8\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.tpuserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.tpuserve.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.tpuserve.v1.SamplingParams\x12/\n\x08stopping\x18\x06 \x01(\x0b\x32\x1d.tpuserve.v1.StoppingCriteria\x12-\n\x08logprobs\x18\x07 \x01(\x0b\x32\x1b.tpuserve.v1.LogprobOptions\x12\t\n\x01n\x18\x08 \x01(\x05\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x15\n\x13_add_special_tokens\"k\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x13\n\x0btoken_bytes\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x14\n\x0cspecial_text\x18\x04 \x01(\t\x12\x0f\n\x07special\x18\x05 \x01(\x08\"\xb5\x01\n\x05Token\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x14\n\x0cspecial_text\x18\x07 \x01(\t\x12\x14\n\x07logprob\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x0f\n\x07special\x18\x05 \x01(\x08\x12-\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x17.tpuserve.v1.TopLogprobB\n\n\x08_logprob\"\xd7\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\"\n\x06tokens\x18\x03 \x03(\x0b\x32\x12.tpuserve.v1.Token\x12\x0c\n\x04text\x18\x04 \x01(\t\x12)\n\rprompt_tokens\x18\x05 \x03(\x0b\x32\x12.tpuserve.v1.Token\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.tpuserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x15\n\rstop_token_id\x18\x0c \x01(\x05\x12\x10\n\x08\x66inished\x18\x08 \x01(\x08\x12\x1b\n\x13prompt_tokens_count\x18\t \x01(\x05\x12\x1f\n\x17\x63ompletion_tokens_count\x18\n \x01(\x05\x12\x15\n\rerror_message\x18\x0b \x01(\t\"\x8d\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.tpuserve.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\":\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0btoken_bytes\x18\x02 \x03(\x0c\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"<\n\x11RenderChatRequest\x12\'\n\x04\x63hat\x18\x01 \x01(\x0b\x32\x19.tpuserve.v1.ChatMessages\"7\n\x12RenderChatResponse\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"\xf2\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\x05\x12\x18\n\x10max_top_logprobs\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nmesh_shape\x18\x07 \x03(\x05\x12\x11\n\tmesh_axes\x18\x08 \x03(\t\x12\r\n\x05slots\x18\t \x01(\x05\x12\r\n\x05max_n\x18\n \x01(\x05\x12\x0f\n\x07\x63reated\x18\x0b \x01(\x03\x12\x11\n\treadiness\x18\x0c \x01(\t*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\x8c\x03\n\x0eTextGeneration\x12I\n\x08Generate\x12\x1c.tpuserve.v1.GenerateRequest\x1a\x1d.tpuserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.tpuserve.v1.TokenizeRequest\x1a\x1d.tpuserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.tpuserve.v1.DetokenizeRequest\x1a\x1f.tpuserve.v1.DetokenizeResponse\x12M\n\nRenderChat\x12\x1e.tpuserve.v1.RenderChatRequest\x1a\x1f.tpuserve.v1.RenderChatResponse\x12H\n\x0cGetModelInfo\x12 .tpuserve.v1.GetModelInfoRequest\x1a\x16.tpuserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atpuserve/v1/tpuserve.proto\x12\x0btpuserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"x\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.tpuserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xb0\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seed\"\x8e\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\x18\n\x10include_stop_str\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokens\"P\n\x0eLogprobOptions\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x02 \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x03 \x01(\x08\"\x90\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.tpuserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.tpuserve.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.tpuserve.v1.SamplingParams\x12/\n\x08stopping\x18\x06 \x01(\x0b\x32\x1d.tpuserve.v1.StoppingCriteria\x12-\n\x08logprobs\x18\x07 \x01(\x0b\x32\x1b.tpuserve.v1.LogprobOptions\x12\t\n\x01n\x18\x08 \x01(\x05\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x12\x17\n\ncache_salt\x18\n \x01(\tH\x02\x88\x01\x01\x42\x08\n\x06promptB\x15\n\x13_add_special_tokensB\r\n\x0b_cache_salt\"k\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x13\n\x0btoken_bytes\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x14\n\x0cspecial_text\x18\x04 \x01(\t\x12\x0f\n\x07special\x18\x05 \x01(\x08\"\xb5\x01\n\x05Token\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x14\n\x0cspecial_text\x18\x07 \x01(\t\x12\x14\n\x07logprob\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x0f\n\x07special\x18\x05 \x01(\x08\x12-\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x17.tpuserve.v1.TopLogprobB\n\n\x08_logprob\"\xfb\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\"\n\x06tokens\x18\x03 \x03(\x0b\x32\x12.tpuserve.v1.Token\x12\x0c\n\x04text\x18\x04 \x01(\t\x12)\n\rprompt_tokens\x18\x05 \x03(\x0b\x32\x12.tpuserve.v1.Token\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.tpuserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x15\n\rstop_token_id\x18\x0c \x01(\x05\x12\x10\n\x08\x66inished\x18\x08 \x01(\x08\x12\x1b\n\x13prompt_tokens_count\x18\t \x01(\x05\x12\"\n\x1a\x63\x61\x63hed_prompt_tokens_count\x18\r \x01(\x05\x12\x1f\n\x17\x63ompletion_tokens_count\x18\n \x01(\x05\x12\x15\n\rerror_message\x18\x0b \x01(\t\"\x8d\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.tpuserve.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\":\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0btoken_bytes\x18\x02 \x03(\x0c\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"<\n\x11RenderChatRequest\x12\'\n\x04\x63hat\x18\x01 \x01(\x0b\x32\x19.tpuserve.v1.ChatMessages\"7\n\x12RenderChatResponse\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"\xf2\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\x05\x12\x18\n\x10max_top_logprobs\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nmesh_shape\x18\x07 \x03(\x05\x12\x11\n\tmesh_axes\x18\x08 \x03(\t\x12\r\n\x05slots\x18\t \x01(\x05\x12\r\n\x05max_n\x18\n \x01(\x05\x12\x0f\n\x07\x63reated\x18\x0b \x01(\x03\x12\x11\n\treadiness\x18\x0c \x01(\t*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\x8c\x03\n\x0eTextGeneration\x12I\n\x08Generate\x12\x1c.tpuserve.v1.GenerateRequest\x1a\x1d.tpuserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.tpuserve.v1.TokenizeRequest\x1a\x1d.tpuserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.tpuserve.v1.DetokenizeRequest\x1a\x1f.tpuserve.v1.DetokenizeResponse\x12M\n\nRenderChat\x12\x1e.tpuserve.v1.RenderChatRequest\x1a\x1f.tpuserve.v1.RenderChatResponse\x12H\n\x0cGetModelInfo\x12 .tpuserve.v1.GetModelInfoRequest\x1a\x16.tpuserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tpuserve.v1.tpuserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2341
-  _globals['_FINISHREASON']._serialized_end=2513
+  _globals['_FINISHREASON']._serialized_start=2417
+  _globals['_FINISHREASON']._serialized_end=2589
   _globals['_TOKENIDS']._serialized_start=43
   _globals['_TOKENIDS']._serialized_end=66
   _globals['_CHATMESSAGE']._serialized_start=68
@@ -46,29 +46,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOGPROBOPTIONS']._serialized_start=560
   _globals['_LOGPROBOPTIONS']._serialized_end=640
   _globals['_GENERATEREQUEST']._serialized_start=643
-  _globals['_GENERATEREQUEST']._serialized_end=1003
-  _globals['_TOPLOGPROB']._serialized_start=1005
-  _globals['_TOPLOGPROB']._serialized_end=1112
-  _globals['_TOKEN']._serialized_start=1115
-  _globals['_TOKEN']._serialized_end=1296
-  _globals['_GENERATERESPONSE']._serialized_start=1299
-  _globals['_GENERATERESPONSE']._serialized_end=1642
-  _globals['_TOKENIZEREQUEST']._serialized_start=1645
-  _globals['_TOKENIZEREQUEST']._serialized_end=1786
-  _globals['_TOKENIZERESPONSE']._serialized_start=1788
-  _globals['_TOKENIZERESPONSE']._serialized_end=1846
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1848
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1915
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1917
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1951
-  _globals['_RENDERCHATREQUEST']._serialized_start=1953
-  _globals['_RENDERCHATREQUEST']._serialized_end=2013
-  _globals['_RENDERCHATRESPONSE']._serialized_start=2015
-  _globals['_RENDERCHATRESPONSE']._serialized_end=2070
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2072
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2093
-  _globals['_MODELINFO']._serialized_start=2096
-  _globals['_MODELINFO']._serialized_end=2338
-  _globals['_TEXTGENERATION']._serialized_start=2516
-  _globals['_TEXTGENERATION']._serialized_end=2912
+  _globals['_GENERATEREQUEST']._serialized_end=1043
+  _globals['_TOPLOGPROB']._serialized_start=1045
+  _globals['_TOPLOGPROB']._serialized_end=1152
+  _globals['_TOKEN']._serialized_start=1155
+  _globals['_TOKEN']._serialized_end=1336
+  _globals['_GENERATERESPONSE']._serialized_start=1339
+  _globals['_GENERATERESPONSE']._serialized_end=1718
+  _globals['_TOKENIZEREQUEST']._serialized_start=1721
+  _globals['_TOKENIZEREQUEST']._serialized_end=1862
+  _globals['_TOKENIZERESPONSE']._serialized_start=1864
+  _globals['_TOKENIZERESPONSE']._serialized_end=1922
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1924
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1991
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1993
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2027
+  _globals['_RENDERCHATREQUEST']._serialized_start=2029
+  _globals['_RENDERCHATREQUEST']._serialized_end=2089
+  _globals['_RENDERCHATRESPONSE']._serialized_start=2091
+  _globals['_RENDERCHATRESPONSE']._serialized_end=2146
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2148
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2169
+  _globals['_MODELINFO']._serialized_start=2172
+  _globals['_MODELINFO']._serialized_end=2414
+  _globals['_TEXTGENERATION']._serialized_start=2592
+  _globals['_TEXTGENERATION']._serialized_end=2988
 # @@protoc_insertion_point(module_scope)

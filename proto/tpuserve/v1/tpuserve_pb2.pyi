@@ -83,7 +83,7 @@ class LogprobOptions(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "stopping", "logprobs", "n", "add_special_tokens")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "stopping", "logprobs", "n", "add_special_tokens", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -102,7 +103,8 @@ class GenerateRequest(_message.Message):
     logprobs: LogprobOptions
     n: int
     add_special_tokens: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[_Union[LogprobOptions, _Mapping]] = ..., n: _Optional[int] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[_Union[LogprobOptions, _Mapping]] = ..., n: _Optional[int] = ..., add_special_tokens: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "token_bytes", "logprob", "special_text", "special")
@@ -137,7 +139,7 @@ class Token(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., token_bytes: _Optional[bytes] = ..., special_text: _Optional[str] = ..., logprob: _Optional[float] = ..., special: _Optional[bool] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "index", "tokens", "text", "prompt_tokens", "finish_reason", "stop_reason", "stop_token_id", "finished", "prompt_tokens_count", "completion_tokens_count", "error_message")
+    __slots__ = ("request_id", "index", "tokens", "text", "prompt_tokens", "finish_reason", "stop_reason", "stop_token_id", "finished", "prompt_tokens_count", "cached_prompt_tokens_count", "completion_tokens_count", "error_message")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +150,7 @@ class GenerateResponse(_message.Message):
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_COUNT_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_COUNT_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -160,9 +163,10 @@ class GenerateResponse(_message.Message):
     stop_token_id: int
     finished: bool
     prompt_tokens_count: int
+    cached_prompt_tokens_count: int
     completion_tokens_count: int
     error_message: str
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., text: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., finished: _Optional[bool] = ..., prompt_tokens_count: _Optional[int] = ..., completion_tokens_count: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., text: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., finished: _Optional[bool] = ..., prompt_tokens_count: _Optional[int] = ..., cached_prompt_tokens_count: _Optional[int] = ..., completion_tokens_count: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat", "add_special_tokens")
