@@ -27,6 +27,8 @@ class StreamResult:
     last_token: float | None = None  # arrival of the last chunk with text or a finish reason
     text_chunks: int = 0
     usage_tokens: int | None = None
+    prompt_tokens: int | None = None  # from the usage chunk
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server says
     finish_reason: str | None = None
     text: str = ""
     logprob_entries: int = 0  # completions `logprobs.tokens` / chat `logprobs.content` entries received
@@ -115,7 +117,10 @@ def _read_event(result: StreamResult, data: str, now: float) -> bool:
         result.finish_reason = finish
     result.logprob_entries += _logprob_entries(obj)
     if obj.get("usage"):
-        result.usage_tokens = int(obj["usage"]["completion_tokens"])
+        usage = obj["usage"]
+        result.usage_tokens = int(usage["completion_tokens"])
+        result.prompt_tokens = usage.get("prompt_tokens")
+        result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     return True
 
 

@@ -134,6 +134,10 @@ def test_no_compilation_after_warm_up(engine, embedded):
         ]  # fmt: skip
         run_engine(engine, mixed, want_prompt_logprobs=True)
         run_engine(engine, mixed[:1])
+        hits = engine.prefix_cache_stats().hit_tokens
+        run_engine(engine, mixed[2:], want_prompt_logprobs=True)  # prefix-cache hits: load, cached logprobs
+        run_engine(engine, mixed[2:])
+        assert engine.prefix_cache_stats().hit_tokens > hits
         assert compiles == []
         jax.jit(lambda x: x * 3)(jax.numpy.ones(7))  # the listener does see a compilation
         assert compiles
