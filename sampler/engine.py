@@ -43,9 +43,8 @@ from tpuserve.sampler.state import init_decode_state, slot_sampling
 log = logging.getLogger(__name__)
 
 MIN_BATCH_BUCKET = 2  # one row takes another kernel (a matrix-vector product) that rounds differently
-PREFIX_RULES = ShardingRules(
-    {**DEFAULT_RULES, "batch": None}
-)  # a prefix and the pool's blocks: KV heads only
+# a prefix and the pool's blocks are split over KV heads only (a prefix has one row; blocks are not slots)
+PREFIX_RULES = ShardingRules({**DEFAULT_RULES, "batch": None})
 
 
 def device_memory_bytes() -> int:
@@ -168,9 +167,7 @@ class JaxEngine(Engine):
                      block_bytes)  # fmt: skip
             return
         pool = init_pool(self.config, blocks, C, K, self.prefix_dtype)
-        if (
-            self.mesh is not None
-        ):  # KV split over KV heads like the KV cache; blocks (and logprobs) replicated
+        if self.mesh is not None:  # KV split over KV heads like the KV cache; logprobs replicated
             replicated = NamedSharding(self.mesh, PartitionSpec())
             kv = cache_sharding(self.config, self.mesh, blocks, C, PREFIX_RULES)
             pool = jax.device_put(pool, Pool(kv, kv, *(replicated,) * 4))
@@ -258,7 +255,8 @@ class JaxEngine(Engine):
         return prefix
 
     def prefill_cost(self, prompt_len: int) -> int:
-        return min(bucket_for(min(prompt_len, self.prefill_chunk), self.chunk_sizes), self.prefill_chunk)
+        # the first chunk's padded size
+        return bucket_for(min(prompt_len, self.prefill_chunk), self.chunk_sizes)
 
     def cached_tokens(self, prefix: Prefix) -> int:
         return prefix.cached_tokens

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from tpuserve.model.llama import KVCache, Llama, init_cache
+from tpuserve.model.llama import KVCache, Llama, cache_bytes, init_cache
 from tpuserve.sampler.sampling import processed_logits, sample, top_logprobs
 from tpuserve.sampler.state import DecodeState, SlotSampling
 
@@ -84,8 +84,7 @@ def init_pool(cfg, blocks: int, block: int, K: int, dtype) -> Pool:
 
 def pool_block_bytes(cfg, block: int, K: int, dtype) -> int:
     """Device bytes of one pool block (KV + prompt logprobs)."""
-    kv = 2 * cfg.num_layers * cfg.num_kv_heads * block * cfg.head_dim * jnp.dtype(dtype).itemsize
-    return kv + 4 * (block + 2 * block * K + cfg.vocab_size)
+    return cache_bytes(cfg, 1, block, dtype) + 4 * (block + 2 * block * K + cfg.vocab_size)
 
 
 def step_outputs(logits: jax.Array, s: SlotSampling, positions: jax.Array, cfg: ProgramConfig) -> StepOut:
@@ -126,9 +125,9 @@ def chunk_logprobs_program(
     return ChunkLogprobs(chosen, top_ids, top_vals, lp[-1])
 
 
-def load_program(pool: Pool, blocks: jax.Array, count, cfg: ProgramConfig) -> KVCache:
+def load_program(pool: Pool, cache: KVCache, blocks: jax.Array, count) -> KVCache:
+    """An empty prefix cache with pool blocks blocks[:count] written at positions 0..count*C-1."""
     C = pool.k.shape[3]
-    cache = init_cache_like(pool, cfg.max_seq_len)
 
     def put(i, kv):
         k, v = kv
@@ -138,12 +137,6 @@ def load_program(pool: Pool, blocks: jax.Array, count, cfg: ProgramConfig) -> KV
         return k, v
 
     return KVCache(*jax.lax.fori_loop(0, count, put, (cache.k, cache.v)))
-
-
-def init_cache_like(pool: Pool, max_len: int) -> KVCache:
-    L, _, Hkv, _, D = pool.k.shape
-    shape = (L, 1, Hkv, max_len, D)
-    return KVCache(jnp.zeros(shape, pool.k.dtype), jnp.zeros(shape, pool.v.dtype))
 
 
 def store_program(pool: Pool, cache: KVCache, start, block) -> Pool:
@@ -250,9 +243,12 @@ def build_programs(graphdef: Any, cfg: ProgramConfig, model_cfg, dtype, prefix_s
     def release(state: DecodeState, slot):
         return state.replace(active=state.active.at[slot].set(False))
 
+    @functools.partial(jax.jit, out_shardings=prefix_sharding)
+    def load(pool: Pool, blocks, count):
+        return load_program(pool, init_cache(model_cfg, 1, cfg.max_seq_len, dtype), blocks, count)
+
     store = jax.jit(store_program, donate_argnums=(0,))
     store_logprobs = jax.jit(store_logprobs_program, donate_argnums=(0,))
-    load = jax.jit(functools.partial(load_program, cfg=cfg), out_shardings=prefix_sharding)
     cached_logprobs = jax.jit(cached_logprobs_program)
     return Programs(fresh_cache, chunk, chunk_logprobs, last_logits, insert, decode, release, store,
                     store_logprobs, load, cached_logprobs)  # fmt: skip
