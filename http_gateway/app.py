@@ -12,7 +12,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import Headers
-from tpuserve.http_gateway import chat, completions, openapi
+from tpuserve.http_gateway import chat, completions, openapi, responses
 from tpuserve.http_gateway.auth import BearerAuth
 from tpuserve.http_gateway.backends import BackendPool, BackendTLS
 from tpuserve.http_gateway.errors import APIError, install_handlers
@@ -20,6 +20,7 @@ from tpuserve.http_gateway.observability import GatewayMetrics, Limits, Observe,
 from tpuserve.http_gateway.request_models import ChatCompletionRequest, CompletionRequest
 from tpuserve.http_gateway.request_parsing import parse_request
 from tpuserve.http_gateway.response_models import ModelCard, ModelList, OpenAIObject
+from tpuserve.http_gateway.responses_models import CreateResponseRequest
 
 OWNED_BY = "tpuserve"
 T = TypeVar("T")
@@ -154,6 +155,12 @@ def _add_api_routes(app: FastAPI, pool: BackendPool, limits: Limits) -> None:
         note_request(req.model, lambda: [m.model_dump() for m in req.messages])
         limits.check_n(req.n)
         return _respond(await _unless_disconnected(request, chat.create(pool, req)))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        req = parse_request(await _json_body(request), CreateResponseRequest)
+        note_request(req.model, lambda: responses.request_summary(req))
+        return _respond(await _unless_disconnected(request, responses.create(pool, req)))
 
     @app.post("/v1/completions")
     async def legacy_completions(request: Request) -> Response:

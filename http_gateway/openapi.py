@@ -3,7 +3,8 @@
 The routes parse their bodies themselves (request_parsing.py: strict JSON, our error messages), so FastAPI cannot
 infer the document; it is built here from the same pydantic models that validate requests and render responses,
 so it cannot drift from them. Streaming (`stream: true`) answers `text/event-stream` whose `data:` events are
-`ChatCompletionChunk` / `Completion` objects, then `[DONE]`. Every error is an `ErrorResponse`.
+`ChatCompletionChunk` / `Completion` objects, then `[DONE]`; /v1/responses streams the Responses API's
+events, each as `event: <type>` + `data: <json>`, without `[DONE]`. Every error is an `ErrorResponse`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tpuserve.http_gateway.response_models import (
     ModelCard,
     ModelList,
 )
+from tpuserve.http_gateway.responses_models import CreateResponseRequest, Response
 
 _REF = "#/components/schemas/{model}"
 VERSION = "0.1.0"
@@ -37,6 +39,8 @@ def _components() -> dict[str, Any]:
         (ChatCompletion, "serialization"),
         (ChatCompletionChunk, "serialization"),
         (Completion, "serialization"),
+        (CreateResponseRequest, "validation"),
+        (Response, "serialization"),
         (ModelList, "serialization"),
         (ModelCard, "serialization"),
         (ErrorResponse, "serialization"),
@@ -68,15 +72,17 @@ def _errors(codes: tuple[str, ...]) -> dict[str, Any]:
     return {c: {"description": _ERROR_CODES[c], "content": _json(ErrorResponse)} for c in codes}
 
 
-def _generation(summary: str, request: type[BaseModel], response: type[BaseModel], chunk: str) -> dict:
+def _generation(
+    summary: str, request: type[BaseModel], response: type[BaseModel], chunk: str, done: bool = True
+) -> dict:
+    end = ", then `data: [DONE]`" if done else " (`event:` + `data:` lines, no `[DONE]`)"
     return {
         "post": {
             "summary": summary,
             "requestBody": {"required": True, "content": _json(request)},
             "responses": {
                 "200": {
-                    "description": f"The result; with `stream: true` an SSE stream of `{chunk}` events, then "
-                    "`data: [DONE]`.",
+                    "description": f"The result; with `stream: true` an SSE stream of `{chunk}` events{end}.",
                     "content": {
                         **_json(response),
                         "text/event-stream": {"schema": {"type": "string"}},
@@ -97,6 +103,13 @@ def build(api_key: bool = False) -> dict[str, Any]:
         ),
         "/v1/completions": _generation(
             "Create a (legacy) completion", CompletionRequest, Completion, "Completion"
+        ),
+        "/v1/responses": _generation(
+            "Create a model response (OpenAI Responses API; no state is kept)",
+            CreateResponseRequest,
+            Response,
+            "ResponseStreamEvent",
+            done=False,
         ),
         "/v1/models": {
             "get": {

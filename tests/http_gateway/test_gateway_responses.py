@@ -1,0 +1,643 @@
+"""/v1/responses (the OpenAI Responses API) over the scripted backend: bodies and stream events against the spec,
+the mapping to the backend's chat request, logprobs (the chat entry shape, `[]` without `include`), streamed ==
+plain, `max_output_tokens` -> incomplete, the official SDK, and bad input as 400s naming the parameter.
+
+scripted_backend.py: `say:<text>` replies <text> then EOS; no directive: DEFAULT_REPLY (9 tokens) then EOS;
+`loop:<text>` never ends by itself; token j has logprob -(0.1*(j%5+1)); its alternatives include the EOS (a
+special token: `bytes` null) and a -inf one.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+
+import httpx
+import jsonschema
+import openai
+import openai_spec
+import pydantic
+import pytest
+import referencing
+from gateway_checks import check_chat_entry, entry_bytes, error, strict_json
+from scripted_backend import DEFAULT_REPLY, EOS, MODEL_ID, SPECIALS, logprob, render_chat
+from tpuserve.http_gateway import openapi
+from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
+
+RESPONSES = "/v1/responses"
+LOGPROBS = ["message.output_text.logprobs"]
+TEXT_EVENTS = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+    # response.output_text.delta ...
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+]
+
+
+# ---- spec checks --------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _validator(name: str) -> jsonschema.Draft202012Validator:
+    """The spec's schema `name`, with one relaxation: a Responses logprob entry's `bytes` (LogProb, TopLogProb)
+    may be null. The spec types it as an integer array only, but design.md gives a special token (e.g.
+    `<|im_end|>` as an alternative) `bytes: null` in chat and Responses entries alike: it has no bytes."""
+    uri = "urn:openai-openapi"
+    contents = copy.deepcopy(openai_spec._registry()[uri].contents)
+    schemas = contents["components"]["schemas"]
+    for entry in ("LogProb", "TopLogProb"):
+        bytes_schema = schemas[entry]["properties"]["bytes"]
+        schemas[entry]["properties"]["bytes"] = {"anyOf": [bytes_schema, {"type": "null"}]}
+    resource = referencing.Resource.from_contents(
+        contents, default_specification=referencing.jsonschema.DRAFT202012
+    )
+    registry = referencing.Registry().with_resource(uri, resource)
+    return jsonschema.Draft202012Validator({"$ref": f"{uri}#/components/schemas/{name}"}, registry=registry)
+
+
+def validate(obj: dict, name: str) -> None:
+    _validator(name).validate(obj)
+
+
+def test_the_relaxed_validator_still_checks_entries(spec) -> None:
+    """The relaxation is exactly `bytes` null: a missing or wrong `bytes` still fails, and the unrelaxed spec
+    refuses null (so the relaxation is needed, and no wider than said)."""
+    entry = {"token": "<|im_end|>", "bytes": None, "logprob": -1.0, "top_logprobs": []}
+    validate(entry, "LogProb")
+    with pytest.raises(jsonschema.ValidationError):
+        spec.validate(entry, "LogProb")
+    for bad in (
+        {k: v for k, v in entry.items() if k != "bytes"},
+        {**entry, "bytes": "x"},
+        {**entry, "logprob": None},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            validate(bad, "LogProb")
+
+
+# ---- request helpers ----------------------------------------------------------------------------------------
+
+
+def body(gw, input: object = "Hi!", **kw) -> dict:
+    return {"model": gw.model, "input": input, **kw}
+
+
+def post(http: httpx.Client, req: dict) -> dict:
+    r = http.post(RESPONSES, json=req)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    data = strict_json(r.text)
+    validate(data, "Response")
+    check_response(data)
+    return data
+
+
+def check_response(data: dict) -> None:
+    """What every finished Response holds, beyond its schema."""
+    assert data["object"] == "response" and data["id"].startswith("resp")
+    assert data["status"] in ("completed", "incomplete") and data["error"] is None
+    assert [item["type"] for item in data["output"]] == ["message"]
+    message = data["output"][0]
+    assert message["role"] == "assistant" and message["id"].startswith("msg_")
+    assert message["status"] == data["status"]
+    [part] = message["content"]
+    assert part["type"] == "output_text" and part["annotations"] == []
+    if data["status"] == "completed":
+        assert data["incomplete_details"] is None and data["completed_at"] >= data["created_at"]
+    else:
+        assert data["incomplete_details"] == {"reason": "max_output_tokens"} and data["completed_at"] is None
+    usage = data["usage"]
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert usage["output_tokens_details"] == {"reasoning_tokens": 0}
+    assert usage["input_tokens_details"]["cached_tokens"] <= usage["input_tokens"]
+    for e in part["logprobs"]:
+        check_chat_entry(e, data["top_logprobs"] or None)
+    if part["logprobs"]:
+        assert (
+            len(part["logprobs"]) == usage["output_tokens"]
+        )  # the ending EOS is neither an entry nor counted
+        if data["status"] == "completed":
+            assert entry_bytes(part["logprobs"]) == part["text"].encode()
+        else:
+            assert entry_bytes(part["logprobs"]).startswith(part["text"].encode())
+
+
+def sse(text: str) -> list[dict]:
+    """The events of a Responses SSE body: each `event:` line names its data's `type`; no `[DONE]`."""
+    out = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        lines = block.split("\n")
+        assert len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith("data: "), block
+        data = strict_json(lines[1][len("data: ") :])
+        assert data["type"] == lines[0][len("event: ") :]
+        out.append(data)
+    return out
+
+
+_EVENT_SCHEMAS = {
+    "response.created": "ResponseCreatedEvent",
+    "response.in_progress": "ResponseInProgressEvent",
+    "response.output_item.added": "ResponseOutputItemAddedEvent",
+    "response.content_part.added": "ResponseContentPartAddedEvent",
+    "response.output_text.delta": "ResponseTextDeltaEvent",
+    "response.output_text.done": "ResponseTextDoneEvent",
+    "response.content_part.done": "ResponseContentPartDoneEvent",
+    "response.output_item.done": "ResponseOutputItemDoneEvent",
+    "response.completed": "ResponseCompletedEvent",
+    "response.incomplete": "ResponseIncompleteEvent",
+    "error": "ResponseErrorEvent",
+}
+
+
+def events(http: httpx.Client, req: dict) -> list[dict]:
+    """POSTs with stream: true; every event checked against the spec, numbered 0, 1, 2, ..."""
+    r = http.post(RESPONSES, json={**req, "stream": True})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/event-stream")
+    out = sse(r.text)
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    for e in out:
+        validate(e, "ResponseStreamEvent")
+        validate(e, _EVENT_SCHEMAS[e["type"]])
+    return out
+
+
+def streamed(http: httpx.Client, req: dict) -> tuple[dict, list[dict]]:
+    """The final Response of a stream and its delta events, after checking the events' order and that they
+    build exactly that Response."""
+    evs = events(http, req)
+    kinds = [e["type"] for e in evs]
+    deltas = [e for e in evs if e["type"] == "response.output_text.delta"]
+    assert kinds[:4] == TEXT_EVENTS[:4]
+    assert kinds[4 : 4 + len(deltas)] == ["response.output_text.delta"] * len(deltas)
+    assert kinds[4 + len(deltas) :] == [*TEXT_EVENTS[4:], kinds[-1]]
+    final = evs[-1]["response"]
+    assert kinds[-1] == ("response.completed" if final["status"] == "completed" else "response.incomplete")
+    check_response(final)
+    rid = final["id"]
+    created, in_progress = evs[0]["response"], evs[1]["response"]
+    for r in (created, in_progress):
+        assert r["id"] == rid and r["status"] == "in_progress" and r["output"] == [] and "usage" not in r
+    message = final["output"][0]
+    added = evs[2]["item"]
+    assert added == {**message, "status": "in_progress", "content": []}
+    assert evs[3]["part"] == {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    part = message["content"][0]
+    for e in deltas:
+        assert (e["item_id"], e["output_index"], e["content_index"]) == (message["id"], 0, 0)
+    text_done, part_done, item_done = evs[4 + len(deltas) : 7 + len(deltas)]
+    assert "".join(e["delta"] for e in deltas) == text_done["text"] == part["text"]
+    entries = [x for e in deltas for x in e["logprobs"]]
+    assert entries == text_done["logprobs"] == part["logprobs"]
+    if (
+        entries
+    ):  # each delta carries the logprobs of exactly its text (a cut character's token: the last one's)
+        for e in deltas[:-1]:
+            assert entry_bytes(e["logprobs"]) == e["delta"].encode()
+        assert entry_bytes(deltas[-1]["logprobs"]).startswith(deltas[-1]["delta"].encode())
+    assert part_done["part"] == part and item_done["item"] == message
+    return final, deltas
+
+
+def backend_request(gw, response_id: str) -> pb.GenerateRequest:
+    [req] = [r for r in gw.scripted.servicer.requests if r.request_id == response_id]
+    return req
+
+
+def same_response(a: dict, b: dict) -> None:
+    """Equal but for ids and times."""
+
+    def strip(r: dict) -> dict:
+        r = copy.deepcopy(r)
+        for key in ("id", "created_at", "completed_at"):
+            r.pop(key)
+        for item in r["output"]:
+            item.pop("id")
+        return r
+
+    assert strip(a) == strip(b)
+
+
+# ---- plain and streamed -------------------------------------------------------------------------------------
+
+
+def test_string_input_answers_one_message_without_logprobs(scripted_gateway) -> None:
+    data = post(scripted_gateway.http, body(scripted_gateway))
+    assert data["status"] == "completed" and data["model"] == MODEL_ID
+    part = data["output"][0]["content"][0]
+    assert part["text"] == DEFAULT_REPLY and part["logprobs"] == []
+    prompt = render_chat([pb.ChatMessage(role="user", content="Hi!")])
+    assert data["usage"]["input_tokens"] == len(prompt)
+    assert data["usage"]["output_tokens"] == 9  # the EOS that ended it is not counted, as in chat
+    assert data["usage"]["input_tokens_details"] == {"cached_tokens": 0, "cache_write_tokens": 0}
+    # the request's settings echoed, with OpenAI's defaults where it gave none
+    assert data["temperature"] == 1.0 and data["top_p"] == 1.0 and data["top_logprobs"] == 0
+    assert data["tools"] == [] and data["tool_choice"] == "auto" and data["parallel_tool_calls"] is True
+    assert data["text"] == {"format": {"type": "text"}, "verbosity": "medium"}
+    assert data["store"] is False and data["metadata"] == {} and data["instructions"] is None
+    req = backend_request(scripted_gateway, data["id"])
+    assert [(m.role, m.content) for m in req.chat.messages] == [("user", "Hi!")]
+    assert not req.logprobs.enabled and not req.HasField("guided") and req.n == 1
+
+
+def test_request_fields_map_to_the_backend_request(scripted_gateway) -> None:
+    gw = scripted_gateway
+    history = [
+        {"role": "developer", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [{"type": "input_text", "text": "one "}, {"type": "input_text", "text": "two"}],
+        },
+        {
+            "type": "message",
+            "id": "msg_1",
+            "status": "completed",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Hi there", "annotations": [], "logprobs": []}],
+        },
+        {"type": "message", "role": "user", "content": "say:ok"},
+    ]
+    data = post(
+        gw.http,
+        body(
+            gw,
+            history,
+            instructions="You are terse.",
+            temperature=0.5,
+            top_p=0.9,
+            max_output_tokens=7,
+            seed=-1,
+            metadata={"k": "v"},
+            user="u1",
+            safety_identifier="s1",
+            store=False,
+            cache_salt="tenant",
+        ),
+    )
+    assert data["output"][0]["content"][0]["text"] == "ok"
+    assert data["instructions"] == "You are terse." and data["metadata"] == {"k": "v"}
+    assert data["temperature"] == 0.5 and data["top_p"] == 0.9 and data["max_output_tokens"] == 7
+    assert data["user"] == "u1" and data["safety_identifier"] == "s1"
+    req = backend_request(gw, data["id"])
+    assert [(m.role, m.content) for m in req.chat.messages] == [
+        ("system", "You are terse."),
+        ("system", "Be brief."),
+        ("user", "one two"),
+        ("assistant", "Hi there"),
+        ("user", "say:ok"),
+    ]
+    assert req.sampling.temperature == 0.5 and abs(req.sampling.top_p - 0.9) < 1e-6
+    assert req.sampling.seed == 2**64 - 1 and req.stopping.max_tokens == 7 and req.cache_salt == "tenant"
+
+
+def test_function_call_items_become_assistant_tool_calls_and_tool_messages(scripted_gateway) -> None:
+    gw = scripted_gateway
+    items = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city":"Paris"}',
+        },
+        {
+            "type": "function_call",
+            "id": "fc_2",
+            "call_id": "call_2",
+            "name": "get_time",
+            "arguments": "{}",
+            "status": "completed",
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {
+            "type": "function_call_output",
+            "call_id": "call_2",
+            "output": [{"type": "input_text", "text": "noon"}],
+        },
+        {"role": "user", "content": "say:thanks"},
+    ]
+    data = post(gw.http, body(gw, items))
+    assert data["output"][0]["content"][0]["text"] == "thanks"
+    messages = backend_request(gw, data["id"]).chat.messages
+    assert [m.role for m in messages] == ["user", "assistant", "tool", "tool", "user"]
+    assert [(c.id, c.name, c.arguments) for c in messages[1].tool_calls] == [
+        ("call_1", "get_weather", '{"city":"Paris"}'),
+        ("call_2", "get_time", "{}"),
+    ]
+    assert [(m.tool_call_id, m.name, m.content) for m in messages[2:4]] == [
+        ("call_1", "get_weather", "sunny"),
+        ("call_2", "get_time", "noon"),
+    ]
+
+
+@pytest.mark.parametrize("k", [None, 0, 3, 20])
+def test_included_logprobs_equal_the_chat_endpoints(scripted_gateway, k) -> None:
+    gw = scripted_gateway
+    extra = {} if k is None else {"top_logprobs": k}
+    data = post(gw.http, body(gw, include=LOGPROBS, **extra))
+    part = data["output"][0]["content"][0]
+    chat = gw.http.post(
+        "/v1/chat/completions",
+        json={"model": gw.model, "messages": [{"role": "user", "content": "Hi!"}], "logprobs": True, **extra},
+    ).json()
+    assert part["logprobs"] == chat["choices"][0]["logprobs"]["content"]
+    assert [e["logprob"] for e in part["logprobs"]] == pytest.approx([logprob(j, 0) for j in range(9)])
+    assert all(len(e["top_logprobs"]) == (k or 0) for e in part["logprobs"])
+    req = backend_request(gw, data["id"])
+    assert req.logprobs.enabled and req.logprobs.top_logprobs == (k or 0)
+
+
+def test_a_special_alternative_has_null_bytes(scripted_gateway) -> None:
+    data = post(scripted_gateway.http, body(scripted_gateway, include=LOGPROBS, top_logprobs=20))
+    alternatives = [t for e in data["output"][0]["content"][0]["logprobs"] for t in e["top_logprobs"]]
+    eos = [t for t in alternatives if t["token"] == SPECIALS[EOS]]
+    assert eos and all(t["bytes"] is None for t in eos)
+    assert any(t["logprob"] == -9999.0 for t in alternatives)  # -inf, as everywhere
+
+
+def test_top_logprobs_without_include_gives_empty_logprobs(scripted_gateway) -> None:
+    data = post(scripted_gateway.http, body(scripted_gateway, top_logprobs=5))
+    assert data["output"][0]["content"][0]["logprobs"] == [] and data["top_logprobs"] == 5
+    assert not backend_request(scripted_gateway, data["id"]).logprobs.enabled
+
+
+@pytest.mark.parametrize("include", [None, LOGPROBS])
+def test_streamed_events_build_the_plain_response(scripted_gateway, include) -> None:
+    req = body(scripted_gateway, include=include, top_logprobs=2)
+    final, deltas = streamed(scripted_gateway.http, req)
+    plain = post(scripted_gateway.http, req)
+    same_response(final, plain)
+    assert len(deltas) > 1 and final["output"][0]["content"][0]["text"] == DEFAULT_REPLY
+    assert all((e["logprobs"] == []) == (include is None) for e in deltas)
+
+
+def test_split_characters_stream_with_their_tokens(scripted_gateway) -> None:
+    """An emoji is four byte tokens: the delta that completes it carries all four entries."""
+    req = body(scripted_gateway, "say:a😀b", include=LOGPROBS)
+    final, deltas = streamed(scripted_gateway.http, req)
+    assert [e["delta"] for e in deltas] == ["a", "😀", "b"]
+    assert [len(e["logprobs"]) for e in deltas] == [1, 4, 1]
+    assert deltas[1]["logprobs"][0]["token"] == "\\xf0"
+    same_response(final, post(scripted_gateway.http, req))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_output_tokens_makes_the_response_incomplete(scripted_gateway, stream) -> None:
+    req = body(scripted_gateway, "loop:ab", max_output_tokens=5, include=LOGPROBS)
+    data = streamed(scripted_gateway.http, req)[0] if stream else post(scripted_gateway.http, req)
+    assert data["status"] == "incomplete" and data["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert data["output"][0]["status"] == "incomplete"
+    assert data["output"][0]["content"][0]["text"] == "ababa" and data["usage"]["output_tokens"] == 5
+
+
+def test_cut_inside_a_character_keeps_the_token_but_not_the_half_character(scripted_gateway) -> None:
+    req = body(scripted_gateway, "say:a😀", max_output_tokens=3, include=LOGPROBS)
+    for data in (post(scripted_gateway.http, req), streamed(scripted_gateway.http, req)[0]):
+        part = data["output"][0]["content"][0]
+        assert data["status"] == "incomplete" and part["text"] == "a"
+        assert entry_bytes(part["logprobs"]) == "a😀".encode()[:3]
+
+
+def test_cached_prompt_tokens_are_reported(scripted_gateway) -> None:
+    data = post(scripted_gateway.http, body(scripted_gateway, "cached:4 say:x"))
+    assert data["usage"]["input_tokens_details"]["cached_tokens"] == 4
+
+
+# ---- structured outputs ---------------------------------------------------------------------------------------
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("fmt", "guided"),
+    [
+        ({"type": "text"}, None),
+        ({"type": "json_object"}, pb.GuidedDecoding(json_object=True)),
+        (
+            {"type": "json_schema", "name": "place", "schema": SCHEMA, "strict": True},
+            pb.GuidedDecoding(json_schema=json.dumps(SCHEMA)),
+        ),
+    ],
+    ids=["text", "json_object", "json_schema"],
+)
+def test_text_format_maps_to_guided_decoding_and_is_echoed(scripted_gateway, fmt, guided) -> None:
+    data = post(scripted_gateway.http, body(scripted_gateway, 'say:{"city": "Paris"}', text={"format": fmt}))
+    assert data["text"] == {"format": fmt, "verbosity": "medium"}
+    req = backend_request(scripted_gateway, data["id"])
+    if guided is None:
+        assert not req.HasField("guided")
+    else:
+        assert req.guided.WhichOneof("kind") == guided.WhichOneof("kind")
+        if guided.HasField("json_schema"):
+            assert json.loads(req.guided.json_schema) == SCHEMA
+        else:
+            assert req.guided.json_object
+
+
+# ---- the official SDK ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(scripted_gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=scripted_gateway.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def test_sdk_create_reads_text_usage_and_typed_logprobs(client) -> None:
+    r = client.responses.create(
+        model=MODEL_ID, input="Hi!", include=["message.output_text.logprobs"], top_logprobs=2
+    )
+    assert r.status == "completed" and r.output_text == DEFAULT_REPLY
+    entries = r.output[0].content[0].logprobs
+    assert [e.token for e in entries][:3] == ["Hello", "!", " How"]
+    assert all(len(e.top_logprobs) == 2 for e in entries) and r.usage.output_tokens == len(entries) == 9
+    assert b"".join(bytes(e.bytes) for e in entries) == DEFAULT_REPLY.encode()
+
+
+def test_sdk_plain_call_needs_nothing_but_model_and_input(client) -> None:
+    r = client.responses.create(model=MODEL_ID, input="say:fine")
+    assert r.output_text == "fine" and r.output[0].content[0].logprobs == []
+
+
+def test_sdk_stream_parses_every_event(client) -> None:
+    stream = client.responses.create(model=MODEL_ID, input="Hi!", stream=True, include=LOGPROBS)
+    evs = list(stream)
+    assert [e.sequence_number for e in evs] == list(range(len(evs)))
+    assert evs[0].type == "response.created" and evs[-1].type == "response.completed"
+    text = "".join(e.delta for e in evs if e.type == "response.output_text.delta")
+    assert text == DEFAULT_REPLY == evs[-1].response.output_text
+    assert sum(len(e.logprobs) for e in evs if e.type == "response.output_text.delta") == 9
+
+
+def test_sdk_stream_helper_accumulates_the_final_response(client) -> None:
+    with client.responses.stream(model=MODEL_ID, input="say:streamed") as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert text == final.output_text == "streamed"
+
+
+def test_sdk_stream_helper_ends_on_an_incomplete_response(client) -> None:
+    with client.responses.stream(model=MODEL_ID, input="loop:ab", max_output_tokens=3) as stream:
+        kinds = [e.type for e in stream]
+    assert kinds[-1] == "response.incomplete"
+
+
+class Place(pydantic.BaseModel):
+    city: str
+
+
+def test_sdk_parse_with_a_pydantic_text_format(scripted_gateway, client) -> None:
+    r = client.responses.parse(model=MODEL_ID, input='say:{"city": "Paris"}', text_format=Place)
+    assert r.output_parsed == Place(city="Paris")
+    req = backend_request(scripted_gateway, r.id)
+    schema = json.loads(req.guided.json_schema)
+    assert schema["properties"]["city"]["type"] == "string" and schema["required"] == ["city"]
+
+
+# ---- errors -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"store": True}, "store"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"background": True}, "background"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {}, "bogus": 1}]}, "tools[0].bogus"),
+        ({"tools": [{"type": "function", "name": "has space"}]}, "tools[0].name"),
+        ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": -1}, "top_logprobs"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"max_output_tokens": 2**31}, "max_output_tokens"),
+        ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        ({"text": {"format": {"type": "json_schema", "name": "a b", "schema": {}}}}, "text.format.name"),
+        ({"text": {"format": {"type": "text", "schema": {}}}}, "text.format.schema"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+        ({"text": {"verbosity": "high"}}, "text.verbosity"),
+        ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k": 1}}, "metadata.k"),
+        ({"n": 2}, "n"),
+        ({"messages": []}, "messages"),
+        ({"input": []}, "input"),
+        ({"input": 5}, "input"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+        ({"input": [{"role": "user", "content": "x", "name": "bob"}]}, "input[0].name"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+            "input[0].content[0].type",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input[0].type"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+        ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0].call_id"),
+        (
+            {
+                "input": [
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                ]
+            },
+            "input[1].call_id",
+        ),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_or_unsupported_input_is_400_naming_the_parameter(scripted_gateway, extra, param, stream) -> None:
+    req = {**body(scripted_gateway), **extra}
+    if stream:
+        req["stream"] = True
+    err = error(scripted_gateway.http, RESPONSES, req, 400, param)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_stream_options_only_with_stream(scripted_gateway) -> None:
+    req = body(scripted_gateway, "say:x", stream_options={"include_obfuscation": False})
+    error(scripted_gateway.http, RESPONSES, req, 400, "stream_options")
+    final, _ = streamed(scripted_gateway.http, req)
+    assert final["output"][0]["content"][0]["text"] == "x"
+
+
+def test_missing_model_or_input_is_400(scripted_gateway) -> None:
+    error(scripted_gateway.http, RESPONSES, {"input": "x"}, 400, "model")
+    error(scripted_gateway.http, RESPONSES, {"model": MODEL_ID}, 400, "input")
+
+
+def test_unknown_model_is_404(scripted_gateway) -> None:
+    err = error(scripted_gateway.http, RESPONSES, {"model": "nope", "input": "x"}, 404)
+    assert err["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_backend_refusal_before_output_is_its_http_status(scripted_gateway, stream) -> None:
+    req = body(scripted_gateway, "fail:INVALID_ARGUMENT:guided: not a schema", stream=stream)
+    err = error(scripted_gateway.http, RESPONSES, req, 400)
+    assert "not a schema" in err["message"]
+    req["text"] = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}
+    err = error(scripted_gateway.http, RESPONSES, req, 400, "text.format.schema")  # a grammar error names it
+    req = body(scripted_gateway, "fail:RESOURCE_EXHAUSTED:queue full", stream=stream)
+    error(scripted_gateway.http, RESPONSES, req, 429)
+
+
+def test_failure_after_streaming_started_is_an_error_event(scripted_gateway, client) -> None:
+    evs = events(scripted_gateway.http, body(scripted_gateway, "failmid: go"))
+    assert [e["type"] for e in evs[:4]] == TEXT_EVENTS[:4] and evs[-1]["type"] == "error"
+    last = evs[-1]
+    assert last["message"] == last["error"]["message"] and last["error"]["type"] == "server_error"
+    assert "response.completed" not in [e["type"] for e in evs]
+    with pytest.raises(openai.APIError):  # the SDK raises on it
+        list(client.responses.create(model=MODEL_ID, input="failmid: go", stream=True))
+
+
+@pytest.mark.parametrize(("reason", "status"), [("ERROR", 500), ("CANCELLED", 503)])
+def test_a_sample_ended_by_error_is_not_a_response(scripted_gateway, reason, status) -> None:
+    error(scripted_gateway.http, RESPONSES, body(scripted_gateway, f"endwith:{reason}"), status)
+    evs = events(scripted_gateway.http, body(scripted_gateway, f"endwith:{reason}"))
+    assert evs[-1]["type"] == "error" and "response.completed" not in [e["type"] for e in evs]
+
+
+# ---- the gateway's own OpenAPI document -----------------------------------------------------------------------
+
+
+def test_openapi_document_describes_responses() -> None:
+    doc = openapi.build()
+    op = doc["paths"][RESPONSES]["post"]
+    assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "CreateResponseRequest"
+    )
+    assert op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/Response")
+    request = doc["components"]["schemas"]["CreateResponseRequest"]
+    assert request["additionalProperties"] is False and set(request["required"]) == {"model", "input"}
+
+
+def test_prompt_as_the_backend_renders_it(scripted_gateway) -> None:
+    """input_tokens are the backend's count of the rendered chat prompt (instructions included)."""
+    data = post(scripted_gateway.http, body(scripted_gateway, "say:x", instructions="Sys"))
+    prompt = render_chat(
+        [pb.ChatMessage(role="system", content="Sys"), pb.ChatMessage(role="user", content="say:x")]
+    )
+    assert data["usage"]["input_tokens"] == len(prompt)
