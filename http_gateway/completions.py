@@ -4,6 +4,8 @@ One backend `Generate` per prompt; choice index = prompt_index * n + sample. Eve
 entry, including the EOS that ended the sample (it adds no text; `completion_tokens` counts it). `echo` prepends
 the prompt, and with `logprobs` its tokens (the first one's logprob and top_logprobs are null).
 `best_of` samples more and keeps the n with the highest mean token logprob.
+`return_token_ids` (vLLM's extension) adds each choice's `prompt_token_ids` and `token_ids` (the generated ids,
+as many as its generated logprob entries; streamed: the prompt's on the choice's first chunk, then each chunk's).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def to_proto(req: CompletionRequest, prompt: str | list[int], request_id: str) -
             prompt_logprobs=bool(req.echo and req.logprobs is not None),
         ),
         n=req.best_of or req.n or 1,
+        return_prompt_token_ids=bool(req.return_token_ids),
     )
     if isinstance(prompt, str):
         msg.text = prompt
@@ -65,6 +68,8 @@ async def create(pool: BackendPool, req: CompletionRequest) -> Completion | Asyn
     request_id = observability.new_request_id("cmpl")
     prompts = req.prompts()
     streams = await _start_all(pool, req, prompts, request_id)
+    if req.return_token_ids and not req.stream:  # collected whole: the prompt ids are noted on the way
+        streams = [proto_mapping.PromptIdsTap(s) for s in streams]  # type: ignore[misc]
     jobs = [PromptJob(i, p, s) for i, (p, s) in enumerate(zip(prompts, streams, strict=True))]
     try:
         await _prompt_texts(pool, req, jobs)
@@ -151,14 +156,17 @@ async def _complete(jobs: list[PromptJob], req: CompletionRequest, request_id: s
                 for t in s.tokens:
                     lp.add(t)
                 logprobs = lp.out()
-            choices.append(
-                CompletionChoice(
-                    index=job.index * n + j,
-                    text=_echo(req, job) + s.text,
-                    logprobs=logprobs,
-                    finish_reason=finish_reason(s.final),
-                )
+            choice = CompletionChoice(
+                index=job.index * n + j,
+                text=_echo(req, job) + s.text,
+                logprobs=logprobs,
+                finish_reason=finish_reason(s.final),
             )
+            if req.return_token_ids:
+                assert isinstance(job.stream, proto_mapping.PromptIdsTap)
+                choice.prompt_token_ids = job.stream.ids
+                choice.token_ids = [t.token_id for t in s.tokens]
+            choices.append(choice)
     return Completion(
         id=request_id,
         object="text_completion",
@@ -212,6 +220,7 @@ async def _chunks(jobs: list[PromptJob], req: CompletionRequest, request_id: str
     prompt_tokens: dict[int, list[pb.Token]] = {}
     logprobs: dict[int, CompletionLogprobs] = {}
     started: set[int] = set()
+    ids_sent: set[int] = set()  # choices whose prompt_token_ids went out
     prompt_counts: dict[int, int] = {}  # prompt index -> its prompt tokens (each prompt once, whatever n)
     cached_counts: dict[int, int] = {}  # prompt index -> of those, the prefix cache's
     completion_tokens = 0
@@ -229,6 +238,8 @@ async def _chunks(jobs: list[PromptJob], req: CompletionRequest, request_id: str
         text = msg.text
         lp = logprobs.get(index)
         seen = len(lp.tokens) if lp is not None else 0  # entries sent in earlier chunks
+        # the choice's first chunk after the prompt ids arrive carries them
+        first = bool(req.return_token_ids and msg.prompt_token_ids) and index not in ids_sent
         if index not in started:
             started.add(index)
             text = _echo(req, job) + text
@@ -241,16 +252,20 @@ async def _chunks(jobs: list[PromptJob], req: CompletionRequest, request_id: str
             prompt_counts[job.index] = msg.prompt_tokens_count
             cached_counts[job.index] = msg.cached_prompt_tokens_count
             completion_tokens += msg.completion_tokens_count
-        if not (text or msg.tokens or msg.finished):
+        if not (text or msg.tokens or msg.finished or first):
             continue
-        yield chunk(
-            CompletionChoice(
-                index=index,
-                text=text,
-                logprobs=None if lp is None else lp.out(seen),
-                finish_reason=finish_reason(msg) if msg.finished else None,
-            )
+        choice = CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=None if lp is None else lp.out(seen),
+            finish_reason=finish_reason(msg) if msg.finished else None,
         )
+        if req.return_token_ids:
+            if first:
+                ids_sent.add(index)
+                choice.prompt_token_ids = list(msg.prompt_token_ids)
+            choice.token_ids = [t.token_id for t in msg.tokens]
+        yield chunk(choice)
     if include_usage:
         yield Completion(
             id=request_id,

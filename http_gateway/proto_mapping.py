@@ -1,7 +1,11 @@
-"""Request fields shared by both endpoints -> proto `SamplingParams` / `StoppingCriteria` / `cache_salt`."""
+"""Request fields shared by both endpoints -> proto `SamplingParams` / `StoppingCriteria` / `cache_salt`, and
+`PromptIdsTap`, which keeps the prompt's token ids (return_token_ids) from a backend stream as it is read."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
+from tpuserve.http_gateway.backends import GenerateStream
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
@@ -35,3 +39,26 @@ def stopping(max_tokens: int | None, stop: list[str]) -> pb.StoppingCriteria:
     if max_tokens is not None:
         criteria.max_tokens = max_tokens
     return criteria
+
+
+class PromptIdsTap:
+    """A `GenerateStream` that notes `prompt_token_ids` (on each sample's first message when
+    `return_prompt_token_ids` was asked) while its messages are read, for the renderers that collect a whole
+    generation first."""
+
+    def __init__(self, stream: GenerateStream) -> None:
+        self._stream = stream
+        self.ids: list[int] = []
+
+    async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
+        inner = self._stream.messages()
+        try:
+            async for msg in inner:
+                if msg.prompt_token_ids and not self.ids:
+                    self.ids = list(msg.prompt_token_ids)
+                yield msg
+        finally:
+            await inner.aclose()  # a consumer that stops early cancels the call, as the stream itself does
+
+    def cancel(self) -> None:
+        self._stream.cancel()

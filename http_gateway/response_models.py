@@ -54,10 +54,22 @@ class Usage(OpenAIObject):
         )
 
 
+class FunctionCallOut(OpenAIObject):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(OpenAIObject):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class ChatMessageOut(OpenAIObject):
     role: Literal["assistant"]
     content: str | None
     refusal: str | None
+    tool_calls: list[ToolCallOut] | None = None  # set only when the model called tools
 
 
 class ChatChoice(OpenAIObject):
@@ -65,6 +77,16 @@ class ChatChoice(OpenAIObject):
     message: ChatMessageOut
     logprobs: ChoiceLogprobs | None
     finish_reason: str
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: set only when asked
+
+
+class PromptLogprob(OpenAIObject):
+    """vLLM's `Logprob` of a prompt position's token: its rank in the whole vocabulary (1 = most likely; null
+    when beyond the backend's top-20, where the exact rank is not known here)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
 
 
 class ChatCompletion(OpenAIObject):
@@ -74,11 +96,29 @@ class ChatCompletion(OpenAIObject):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # vLLM's extensions, set only when asked: keys are token ids (JSON object keys are strings)
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class FunctionCallChunk(OpenAIObject):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallChunk(OpenAIObject):
+    """A streamed fragment of tool call `index`: id, type and name come on its first fragment."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallChunk | None = None
 
 
 class Delta(OpenAIObject):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallChunk] | None = None
 
 
 class ChatChunkChoice(OpenAIObject):
@@ -86,6 +126,7 @@ class ChatChunkChoice(OpenAIObject):
     delta: Delta
     logprobs: ChoiceLogprobs | None
     finish_reason: str | None
+    token_ids: list[int] | None = None  # return_token_ids: the ids of this chunk's tokens
 
 
 class ChatCompletionChunk(OpenAIObject):
@@ -95,6 +136,7 @@ class ChatCompletionChunk(OpenAIObject):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on each choice's first chunk
 
 
 class CompletionLogprobsOut(OpenAIObject):
@@ -109,6 +151,9 @@ class CompletionChoice(OpenAIObject):
     text: str
     logprobs: CompletionLogprobsOut | None
     finish_reason: str | None
+    # vLLM's return_token_ids, set only when asked (streamed: prompt ids on the choice's first chunk)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class Completion(OpenAIObject):

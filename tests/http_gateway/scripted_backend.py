@@ -12,6 +12,11 @@ What a sample generates is scripted by the prompt (the last chat message, or the
 - `cached:<k>` anywhere in it: the prefix cache "had" min(k, prompt tokens - 1) of the prompt
   (cached_prompt_tokens_count, on every message that has prompt_tokens_count); without it, 0.
 
+Requests are checked as the real backend checks them where the gateway relies on it: a `guided` JSON schema that
+is not valid JSON Schema, or has a `$ref` that is not a local pointer to something in it, is INVALID_ARGUMENT
+"guided.json_schema: <why>" (the output itself is still the script's: tests script JSON or tool calls with
+`say:`). `return_prompt_token_ids` puts the prompt's ids on each sample's first message.
+
 Logprobs are hand-computable: sample s, token j: `logprob(j, s) = -(0.1 * (j % 5 + 1)) / (s + 1)` (later
 samples are "better", for best_of); alternatives (`alternatives`) put the sampled token first, except at
 j % 4 == 3 where two tokens rank above it; one alternative is always -inf, one is the EOS, one a partial byte.
@@ -22,10 +27,12 @@ characters only, stop string prefixes held back, the stop string cut (tokens tha
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from dataclasses import dataclass
 
 import grpc
+import jsonschema
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tpuserve.grpc_service.detokenize import Delta, IncrementalDetokenizer
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
@@ -198,6 +205,36 @@ def script_for(text: str) -> Script:
     return Script(encode(DEFAULT_REPLY, False), slow=slow, fail_mid="failmid:" in text)
 
 
+def guided_error(guided: pb.GuidedDecoding) -> str | None:
+    """Why the real backend would refuse this grammar (None: it takes it), in its message form."""
+    if guided.WhichOneof("kind") != "json_schema":
+        return None
+    try:
+        schema = json.loads(guided.json_schema)
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except (ValueError, jsonschema.SchemaError) as e:
+        return f"guided.json_schema: {getattr(e, 'message', e)}"
+    for ref in _refs(schema):
+        if not ref.startswith("#"):
+            return f"guided.json_schema: unsupported $ref {ref!r} (only local references are)"
+        try:
+            node = schema
+            for part in filter(None, ref[1:].split("/")):
+                node = node[part]
+        except (KeyError, TypeError):
+            return f"guided.json_schema: $ref {ref!r} points to nothing"
+    return None
+
+
+def _refs(node: object) -> list[str]:
+    if isinstance(node, dict):
+        own = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+        return own + [r for v in node.values() for r in _refs(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _refs(v)]
+    return []
+
+
 def cached_for(text: str, prompt_len: int) -> int:
     """The `cached:<k>` directive: the prompt tokens the backend reports as read from its prefix cache."""
     if "cached:" not in text:
@@ -271,6 +308,9 @@ class ScriptedServicer(pb_grpc.TextGenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"top_logprobs must be at most {MAX_TOP}")
         if any(i >= VOCAB_SIZE for i in prompt_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token id out of range")
+        why = guided_error(request.guided) if request.HasField("guided") else None
+        if why is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         has_max = request.stopping.HasField("max_tokens")
         max_tokens = request.stopping.max_tokens if has_max else CONTEXT - len(prompt_ids)
         opts = request.logprobs
@@ -288,9 +328,13 @@ class ScriptedServicer(pb_grpc.TextGenerationServicer):
                     prompt_tokens_count=len(prompt_ids),
                     cached_prompt_tokens_count=cached,
                 )
+            first = set(range(n)) if request.return_prompt_token_ids else set()
             async for msg in self._samples(request, context, script, n, max_tokens, len(prompt_ids)):
                 if msg.finished:
                     msg.cached_prompt_tokens_count = cached
+                if msg.index in first:
+                    first.discard(msg.index)
+                    msg.prompt_token_ids.extend(prompt_ids)
                 yield msg
         except (asyncio.CancelledError, GeneratorExit):
             # a cancel lands as CancelledError at an await, or as GeneratorExit when it finds the generator
