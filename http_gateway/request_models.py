@@ -8,6 +8,7 @@ messages answer earlier calls, a named tool_choice names a given tool).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -83,6 +84,12 @@ class ChatMessage(_Strict):
             )
         if self.tool_calls is not None and self.role != "assistant":
             raise _not_for_role(where, "tool_calls", "assistant")
+        for k, call in enumerate(self.tool_calls or []):
+            try:
+                json.loads(call.function.arguments)
+            except ValueError:
+                param = f"{where}.tool_calls[{k}].function.arguments"
+                raise invalid_request(f"Invalid '{param}': not valid JSON.", param, "invalid_value") from None
         if self.role == "tool":
             if self.tool_call_id is None:
                 raise invalid_request(

@@ -396,6 +396,17 @@ CALL_1 = {"id": "call_1", "type": "function", "function": {"name": "get_weather"
         ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content"),
         ({"messages": [{"role": "assistant", "tool_calls": []}]}, "messages[0].tool_calls"),
         (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{**CALL_1, "function": {"name": "f", "arguments": "{"}}],
+                    }
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (
             {"messages": [{"role": "assistant", "tool_calls": [{**CALL_1, "type": "custom"}]}]},
             "messages[0].tool_calls[0].type",
         ),
