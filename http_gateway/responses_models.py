@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_serializer
 from pydantic_core import PydanticCustomError
 from tpuserve.http_gateway import structured
+from tpuserve.http_gateway import tools as fn_tools
 from tpuserve.http_gateway.errors import invalid_request, unsupported
 from tpuserve.http_gateway.request_models import INT32_MAX, CacheSalt, Seed, Temperature, TopP
 from tpuserve.http_gateway.response_models import OpenAIObject, TokenLogprob
@@ -271,7 +272,7 @@ class CreateResponseRequest(_Strict):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     include: list[str] | None = None
     text: ResponsesTextConfig | None = None
-    tools: list[ToolItem] | None = None
+    tools: Annotated[list[ToolItem], Field(max_length=fn_tools.MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     stream: bool | None = None
@@ -342,11 +343,20 @@ class CreateResponseRequest(_Strict):
         for i, tool in enumerate(self.tools or []):
             if isinstance(tool, _BuiltInTool):
                 raise unsupported(f"tools[{i}].type", f"Only function tools (got {tool.type!r}).")
-            structured.check_format_name(tool.name, f"tools[{i}].name")
         if isinstance(self.tool_choice, _ToolChoiceOther):
             raise unsupported(
                 "tool_choice",
                 f"Use 'none', 'auto', 'required' or a function (got type {self.tool_choice.type!r}).",
+            )
+        specs = self.functions()
+        fn_tools.check_functions(specs, "tools", nested="")
+        fn_tools.check_choice(self._chat_choice(), specs)
+        if self.forced_tool_call() and self.structured():
+            raise invalid_request(
+                "'text.format' cannot be combined with a forced tool call ('tool_choice' \"required\" or a named "
+                "function): the output is then the call.",
+                "text.format",
+                "invalid_value",
             )
 
     def logprobs(self) -> bool:
@@ -354,6 +364,33 @@ class CreateResponseRequest(_Strict):
 
     def function_tools(self) -> list[ResponsesFunctionTool]:
         return [t for t in self.tools or [] if isinstance(t, ResponsesFunctionTool)]
+
+    def functions(self) -> list[fn_tools.FunctionSpec]:
+        return [fn_tools.FunctionSpec(t.name, t.description, t.parameters) for t in self.function_tools()]
+
+    def _chat_choice(self) -> fn_tools.ToolChoice | None:
+        """`tool_choice` in tools.py's (chat's) terms: a named function is {type, function: {name}} there."""
+        c = self.tool_choice
+        if isinstance(c, ResponsesToolChoiceFunction):
+            return fn_tools.NamedToolChoice(type="function", function=fn_tools.NamedFunction(name=c.name))
+        return c if isinstance(c, str) else None
+
+    def choice(self) -> fn_tools.ToolChoice:
+        """The effective choice: OpenAI's default is "auto" with tools, "none" without."""
+        return fn_tools.effective_choice(self._chat_choice(), self.functions())
+
+    def forced_tool_call(self) -> bool:
+        return self.choice() not in ("none", "auto")
+
+    def structured(self) -> bool:
+        """A `text.format` other than text: the output is constrained JSON, never parsed for calls."""
+        fmt = self.text.format if self.text else None
+        return fmt is not None and fmt.type != "text"
+
+    def offers_tools(self) -> bool:
+        """Tools are rendered for the model and its output parsed for calls: function tools given, choice not
+        "none", and no structured format taking over the output (as chat decides)."""
+        return bool(self.functions()) and self.choice() != "none" and not self.structured()
 
 
 # ---- response ---------------------------------------------------------------------------------------------

@@ -98,15 +98,11 @@ def post(http: httpx.Client, req: dict) -> dict:
 
 
 def check_response(data: dict) -> None:
-    """What every finished Response holds, beyond its schema."""
+    """What every finished Response holds, beyond its schema: at most one message, first, then the calls."""
     assert data["object"] == "response" and data["id"].startswith("resp")
     assert data["status"] in ("completed", "incomplete") and data["error"] is None
-    assert [item["type"] for item in data["output"]] == ["message"]
-    message = data["output"][0]
-    assert message["role"] == "assistant" and message["id"].startswith("msg_")
-    assert message["status"] == data["status"]
-    [part] = message["content"]
-    assert part["type"] == "output_text" and part["annotations"] == []
+    kinds = [item["type"] for item in data["output"]]
+    assert kinds and set(kinds) <= {"message", "function_call"} and "message" not in kinds[1:]
     if data["status"] == "completed":
         assert data["incomplete_details"] is None and data["completed_at"] >= data["created_at"]
     else:
@@ -115,15 +111,31 @@ def check_response(data: dict) -> None:
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
     assert usage["output_tokens_details"] == {"reasoning_tokens": 0}
     assert usage["input_tokens_details"]["cached_tokens"] <= usage["input_tokens"]
+    calls = [item for item in data["output"] if item["type"] == "function_call"]
+    for call in calls:
+        assert (
+            call["id"].startswith("fc_")
+            and call["call_id"].startswith("call_")
+            and call["status"] == "completed"
+        )
+        assert isinstance(json.loads(call["arguments"]), dict)
+    if kinds[0] != "message":
+        return
+    message = data["output"][0]
+    assert message["role"] == "assistant" and message["id"].startswith("msg_")
+    assert message["status"] == data["status"]
+    [part] = message["content"]
+    assert part["type"] == "output_text" and part["annotations"] == []
     for e in part["logprobs"]:
         check_chat_entry(e, data["top_logprobs"] or None)
     if part["logprobs"]:
-        assert (
-            len(part["logprobs"]) == usage["output_tokens"]
-        )  # the ending EOS is neither an entry nor counted
-        if data["status"] == "completed":
+        if not calls:
+            assert (
+                len(part["logprobs"]) == usage["output_tokens"]
+            )  # the ending EOS is neither an entry nor counted
+        if data["status"] == "completed" and not calls:
             assert entry_bytes(part["logprobs"]) == part["text"].encode()
-        else:
+        else:  # a cut character's token, or the token across the start of the calls, is kept
             assert entry_bytes(part["logprobs"]).startswith(part["text"].encode())
 
 
@@ -152,6 +164,8 @@ _EVENT_SCHEMAS = {
     "response.output_item.done": "ResponseOutputItemDoneEvent",
     "response.completed": "ResponseCompletedEvent",
     "response.incomplete": "ResponseIncompleteEvent",
+    "response.function_call_arguments.delta": "ResponseFunctionCallArgumentsDeltaEvent",
+    "response.function_call_arguments.done": "ResponseFunctionCallArgumentsDoneEvent",
     "error": "ResponseErrorEvent",
 }
 
@@ -169,41 +183,72 @@ def events(http: httpx.Client, req: dict) -> list[dict]:
     return out
 
 
+def built_output(evs: list[dict]) -> list[dict]:
+    """The output items as the events between in_progress and the last one build them, checking their order:
+    each item is added (in progress, empty), filled by its deltas, and done; a message's text part is added,
+    filled, and done; the done events repeat exactly what the deltas built. Deltas carry the logprobs of exactly
+    their text (the last one of a part may hold a cut character's token)."""
+    items: dict[int, dict] = {}
+    finished: dict[int, dict] = {}
+    pieces: dict[int, list[tuple[bytes, bytes]]] = {}
+    for e in evs:
+        kind, index = e["type"], e.get("output_index")
+        assert index not in finished, f"{kind} after its item was done"
+        if kind == "response.output_item.added":
+            assert index == len(items) and e["item"]["status"] == "in_progress"
+            item = items[index] = copy.deepcopy(e["item"])
+            assert item.get("content", []) == [] and item.get("arguments", "") == ""
+            continue
+        item = items[index]
+        if "item_id" in e:
+            assert e["item_id"] == item["id"]
+        if kind == "response.content_part.added":
+            assert e["content_index"] == len(item["content"]) == 0
+            assert e["part"] == {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item["content"].append(copy.deepcopy(e["part"]))
+        elif kind == "response.output_text.delta":
+            part = item["content"][e["content_index"]]
+            part["text"] += e["delta"]
+            part["logprobs"] += e["logprobs"]
+            pieces.setdefault(index, []).append((e["delta"].encode(), entry_bytes(e["logprobs"])))
+        elif kind == "response.output_text.done":
+            part = item["content"][e["content_index"]]
+            assert (e["text"], e["logprobs"]) == (part["text"], part["logprobs"])
+        elif kind == "response.content_part.done":
+            assert e["part"] == item["content"][e["content_index"]]
+        elif kind == "response.function_call_arguments.delta":
+            item["arguments"] += e["delta"]
+        elif kind == "response.function_call_arguments.done":
+            assert (e["arguments"], e["name"]) == (item["arguments"], item["name"])
+        elif kind == "response.output_item.done":
+            assert e["item"] == {**item, "status": e["item"]["status"]}
+            finished[index] = e["item"]
+        else:
+            raise AssertionError(f"unexpected event {kind}")
+    assert set(finished) == set(items)
+    for parts in pieces.values():
+        if any(data for _, data in parts):
+            for text, data in parts[:-1]:
+                assert data == text
+            assert parts[-1][1].startswith(parts[-1][0])
+    return [finished[i] for i in sorted(finished)]
+
+
 def streamed(http: httpx.Client, req: dict) -> tuple[dict, list[dict]]:
-    """The final Response of a stream and its delta events, after checking the events' order and that they
-    build exactly that Response."""
+    """The final Response of a stream and its text delta events, after checking that the events come in order
+    and build exactly that Response."""
     evs = events(http, req)
     kinds = [e["type"] for e in evs]
-    deltas = [e for e in evs if e["type"] == "response.output_text.delta"]
-    assert kinds[:4] == TEXT_EVENTS[:4]
-    assert kinds[4 : 4 + len(deltas)] == ["response.output_text.delta"] * len(deltas)
-    assert kinds[4 + len(deltas) :] == [*TEXT_EVENTS[4:], kinds[-1]]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
     final = evs[-1]["response"]
     assert kinds[-1] == ("response.completed" if final["status"] == "completed" else "response.incomplete")
     check_response(final)
-    rid = final["id"]
-    created, in_progress = evs[0]["response"], evs[1]["response"]
-    for r in (created, in_progress):
-        assert r["id"] == rid and r["status"] == "in_progress" and r["output"] == [] and "usage" not in r
-    message = final["output"][0]
-    added = evs[2]["item"]
-    assert added == {**message, "status": "in_progress", "content": []}
-    assert evs[3]["part"] == {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-    part = message["content"][0]
-    for e in deltas:
-        assert (e["item_id"], e["output_index"], e["content_index"]) == (message["id"], 0, 0)
-    text_done, part_done, item_done = evs[4 + len(deltas) : 7 + len(deltas)]
-    assert "".join(e["delta"] for e in deltas) == text_done["text"] == part["text"]
-    entries = [x for e in deltas for x in e["logprobs"]]
-    assert entries == text_done["logprobs"] == part["logprobs"]
-    if (
-        entries
-    ):  # each delta carries the logprobs of exactly its text (a cut character's token: the last one's)
-        for e in deltas[:-1]:
-            assert entry_bytes(e["logprobs"]) == e["delta"].encode()
-        assert entry_bytes(deltas[-1]["logprobs"]).startswith(deltas[-1]["delta"].encode())
-    assert part_done["part"] == part and item_done["item"] == message
-    return final, deltas
+    for r in (evs[0]["response"], evs[1]["response"]):
+        assert (
+            r["id"] == final["id"] and r["status"] == "in_progress" and r["output"] == [] and "usage" not in r
+        )
+    assert built_output(evs[2:-1]) == final["output"]
+    return final, [e for e in evs if e["type"] == "response.output_text.delta"]
 
 
 def backend_request(gw, response_id: str) -> pb.GenerateRequest:
@@ -220,6 +265,7 @@ def same_response(a: dict, b: dict) -> None:
             r.pop(key)
         for item in r["output"]:
             item.pop("id")
+            item.pop("call_id", None)
         return r
 
     assert strip(a) == strip(b)
@@ -375,6 +421,10 @@ def test_streamed_events_build_the_plain_response(scripted_gateway, include) -> 
     plain = post(scripted_gateway.http, req)
     same_response(final, plain)
     assert len(deltas) > 1 and final["output"][0]["content"][0]["text"] == DEFAULT_REPLY
+    kinds = [e["type"] for e in events(scripted_gateway.http, req)]
+    assert kinds == [*TEXT_EVENTS[:4], *["response.output_text.delta"] * len(deltas), *TEXT_EVENTS[4:]] + [
+        "response.completed"
+    ]
     assert all((e["logprobs"] == []) == (include is None) for e in deltas)
 
 
@@ -444,6 +494,167 @@ def test_text_format_maps_to_guided_decoding_and_is_echoed(scripted_gateway, fmt
             assert json.loads(req.guided.json_schema) == SCHEMA
         else:
             assert req.guided.json_object
+
+
+# ---- tools ----------------------------------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    "strict": True,
+}
+TIME = {"type": "function", "name": "get_time", "parameters": None, "strict": None}
+ARGS = '{"city": "Paris"}'
+CALL = f'<tool_call>{{"name": "get_weather", "arguments": {ARGS}}}</tool_call>'
+
+
+def both(gw, req: dict) -> dict:
+    """The plain Response, after checking that the streamed one is the same (ids aside)."""
+    plain = post(gw.http, req)
+    same_response(streamed(gw.http, req)[0], plain)
+    return plain
+
+
+def test_a_tool_call_is_a_function_call_item(scripted_gateway) -> None:
+    gw = scripted_gateway
+    data = both(gw, body(gw, f"say:{CALL}", tools=[WEATHER], include=LOGPROBS))
+    [call] = data["output"]
+    assert (call["type"], call["name"], call["arguments"]) == ("function_call", "get_weather", ARGS)
+    assert data["status"] == "completed" and data["usage"]["output_tokens"] == len(CALL.encode())
+    assert data["tools"] == [WEATHER] and data["tool_choice"] == "auto"
+    req = backend_request(gw, data["id"])
+    assert json.loads(req.chat.tools_json) == [
+        {"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}
+    ]
+    assert not req.HasField("guided")  # auto: the model chooses, nothing is forced
+
+
+def test_a_call_streams_as_function_call_events(scripted_gateway) -> None:
+    gw = scripted_gateway
+    evs = events(gw.http, body(gw, f"say:{CALL}", tools=[WEATHER]))
+    assert [e["type"] for e in evs] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert evs[2]["item"]["arguments"] == "" and evs[3]["delta"] == ARGS
+    assert evs[4]["name"] == "get_weather" and evs[5]["item"]["call_id"] == evs[2]["item"]["call_id"]
+
+
+def test_content_before_calls_is_a_message_with_its_own_logprobs(scripted_gateway) -> None:
+    gw = scripted_gateway
+    two = f'Sure! {CALL} <tool_call>{{"name": "get_time", "arguments": {{}}}}</tool_call>'
+    data = both(gw, body(gw, f"say:{two}", tools=[WEATHER, TIME], include=LOGPROBS, top_logprobs=1))
+    message, weather, time_call = data["output"]
+    part = message["content"][0]
+    assert part["text"] == "Sure! " and entry_bytes(part["logprobs"]) == b"Sure! "
+    assert [(c["name"], c["arguments"]) for c in (weather, time_call)] == [
+        ("get_weather", ARGS),
+        ("get_time", "{}"),
+    ]
+    assert weather["call_id"] != time_call["call_id"]
+    evs = events(gw.http, body(gw, f"say:{two}", tools=[WEATHER, TIME]))
+    first_call = next(i for i, e in enumerate(evs) if e["type"] == "response.function_call_arguments.delta")
+    text = "".join(e["delta"] for e in evs[:first_call] if e["type"] == "response.output_text.delta")
+    assert text == "Sure! "  # streamed before the calls
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        DEFAULT_REPLY,
+        '{"answer": 42}',
+        "<tool_call>{not json</tool_call>",
+        '<tool_call>{"name": "x", "arguments": {}}',
+    ],
+    ids=["text", "other-json", "bad-json", "unknown-function"],
+)
+def test_text_that_is_no_call_stays_a_message(scripted_gateway, reply) -> None:
+    gw = scripted_gateway
+    data = both(gw, body(gw, f"say:{reply}", tools=[WEATHER], include=LOGPROBS))
+    [message] = data["output"]
+    assert message["content"][0]["text"] == reply
+    assert entry_bytes(message["content"][0]["logprobs"]) == reply.encode()
+
+
+def test_tool_choice_none_offers_no_tools(scripted_gateway) -> None:
+    gw = scripted_gateway
+    data = both(gw, body(gw, f"say:{CALL}", tools=[WEATHER], tool_choice="none"))
+    assert [item["type"] for item in data["output"]] == ["message"] and data["tool_choice"] == "none"
+    assert backend_request(gw, data["id"]).chat.tools_json == ""
+
+
+@pytest.mark.parametrize(
+    ("choice", "parallel", "names", "many"),
+    [
+        ("required", None, ["get_weather", "get_time"], True),
+        ("required", False, ["get_weather", "get_time"], False),
+        ({"type": "function", "name": "get_time"}, None, ["get_time"], False),
+    ],
+    ids=["required", "required-one", "named"],
+)
+def test_forced_calls_are_constrained_by_a_grammar(scripted_gateway, choice, parallel, names, many) -> None:
+    gw = scripted_gateway
+    reply = '{"name": "get_time", "arguments": {}}'
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    data = both(gw, body(gw, f"say:{reply}", tools=[WEATHER, TIME], tool_choice=choice, **extra))
+    [call] = data["output"]
+    assert (call["name"], call["arguments"]) == ("get_time", "{}") and data["tool_choice"] == choice
+    schema = json.loads(backend_request(gw, data["id"]).guided.json_schema)
+    one = schema["items"] if many else schema
+    alternatives = one.get("anyOf", [one])
+    assert [a["properties"]["name"]["const"] for a in alternatives] == names
+    assert (schema.get("type") == "array") == many
+
+
+def test_structured_output_takes_over_from_auto_tools(scripted_gateway) -> None:
+    gw = scripted_gateway
+    fmt = {"type": "json_schema", "name": "x", "schema": SCHEMA}
+    data = post(gw.http, body(gw, f"say:{CALL}", tools=[WEATHER], text={"format": fmt}))
+    assert [item["type"] for item in data["output"]] == ["message"]
+    req = backend_request(gw, data["id"])
+    assert req.chat.tools_json == "" and json.loads(req.guided.json_schema) == SCHEMA
+
+
+def test_function_call_round_trip_with_the_sdk_objects(scripted_gateway, client) -> None:
+    r = client.responses.create(model=MODEL_ID, input=f"say:Sure! {CALL}", tools=[WEATHER])
+    assert [o.type for o in r.output] == ["message", "function_call"]
+    call = r.output[1]
+    assert (call.name, call.arguments) == ("get_weather", ARGS)
+    again = client.responses.create(
+        model=MODEL_ID,
+        input=[
+            {"role": "user", "content": "weather?"},
+            *r.output,
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+            {"role": "user", "content": "say:It is sunny."},
+        ],
+        tools=[WEATHER],
+    )
+    assert again.output_text == "It is sunny."
+    messages = backend_request(scripted_gateway, again.id).chat.messages
+    assert [m.role for m in messages] == ["user", "assistant", "tool", "user"]
+    assert messages[1].content == "Sure! " and messages[1].tool_calls[0].id == call.call_id
+    assert (messages[2].tool_call_id, messages[2].name, messages[2].content) == (
+        call.call_id,
+        "get_weather",
+        "sunny",
+    )
+
+
+def test_sdk_stream_helper_builds_function_calls(client) -> None:
+    with client.responses.stream(model=MODEL_ID, input=f"say:{CALL}", tools=[WEATHER]) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds
+    [call] = final.output
+    assert call.type == "function_call" and call.arguments == ARGS
 
 
 # ---- the official SDK ---------------------------------------------------------------------------------------
@@ -523,6 +734,15 @@ def test_sdk_parse_with_a_pydantic_text_format(scripted_gateway, client) -> None
         ({"tools": [{"type": "function", "name": "has space"}]}, "tools[0].name"),
         ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [WEATHER, WEATHER]}, "tools[1].name"),
+        ({"tools": [{**WEATHER, "name": f"f{i}"} for i in range(129)]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice.name"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
+            "text.format",
+        ),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"top_logprobs": 21}, "top_logprobs"),
         ({"top_logprobs": -1}, "top_logprobs"),
