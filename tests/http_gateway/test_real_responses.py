@@ -1,0 +1,96 @@
+"""/v1/responses over the REAL backend (the warmed engine with the embedded model), greedy:
+
+1. The included logprobs equal the chat endpoint's for the same conversation, token for token (both are one chat
+   request to the same engine); the streamed events build exactly the plain Response.
+2. The official SDK, plain and streamed, and `max_output_tokens` making the Response incomplete.
+
+Generation is on CPU here: few requests, small max_output_tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from gateway_checks import strict_json
+from gateway_harness import GatewayServer
+from test_gateway_responses import LOGPROBS, RESPONSES, check_response, same_response, streamed, validate
+
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+@pytest.fixture(scope="module")
+def real(real_backend_address) -> Iterator[tuple[str, str, httpx.Client]]:
+    """(base url, model id, client) of a gateway whose only backend is the real one."""
+    server = GatewayServer([real_backend_address]).start()
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        yield server.url, model, http
+    server.stop()
+
+
+def _post(http: httpx.Client, path: str, body: dict) -> dict:
+    r = http.post(path, json=body)
+    assert r.status_code == 200, r.text
+    return strict_json(r.text)  # type: ignore[return-value]
+
+
+def test_logprobs_equal_the_chat_endpoints_and_streamed_equals_plain(real) -> None:
+    _, model, http = real
+    req = {
+        "model": model,
+        "instructions": "You are a concise assistant.",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
+        "include": LOGPROBS,
+        "top_logprobs": 3,
+        "temperature": 0,
+        "max_output_tokens": 12,
+    }
+    plain = _post(http, RESPONSES, req)
+    validate(plain, "Response")
+    check_response(plain)
+    final, deltas = streamed(http, req)
+    same_response(final, plain)
+    assert len(deltas) > 1
+    chat = _post(
+        http,
+        "/v1/chat/completions",
+        {
+            "model": model,
+            "messages": [
+                {"role": "system", "content": "You are a concise assistant."},
+                {"role": "user", "content": QUESTION},
+            ],
+            "logprobs": True,
+            "top_logprobs": 3,
+            "temperature": 0,
+            "max_tokens": 12,
+        },
+    )
+    choice = chat["choices"][0]
+    part = plain["output"][0]["content"][0]
+    assert part["text"] == choice["message"]["content"] and part["text"]
+    assert part["logprobs"] == choice["logprobs"]["content"]
+    assert plain["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    assert plain["usage"]["output_tokens"] == chat["usage"]["completion_tokens"] == len(part["logprobs"])
+    assert plain["status"] == ("completed" if choice["finish_reason"] == "stop" else "incomplete")
+
+
+def test_sdk_create_and_stream_cut_by_max_output_tokens(real) -> None:
+    url, model, _ = real
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    ask = {
+        "model": model,
+        "input": "Write a long story about a dragon.",
+        "temperature": 0,
+        "max_output_tokens": 6,
+    }
+    r = client.responses.create(**ask)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output_text and r.usage.output_tokens == 6 and r.output[0].content[0].logprobs == []
+    events = list(client.responses.create(**ask, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == events[-1].response.output_text == r.output_text
