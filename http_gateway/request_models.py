@@ -87,7 +87,7 @@ class ChatMessage(_Strict):
         for k, call in enumerate(self.tool_calls or []):
             try:
                 json.loads(call.function.arguments)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: JSON nested too deeply for the parser
                 param = f"{where}.tool_calls[{k}].function.arguments"
                 raise invalid_request(f"Invalid '{param}': not valid JSON.", param, "invalid_value") from None
         if self.role == "tool":

@@ -24,6 +24,9 @@ from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 # The spec's rule for `json_schema.name` and function names: a-z, A-Z, 0-9, underscores and dashes, at most 64.
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 GUIDED_ERROR_PREFIX = "guided"  # the backend's INVALID_ARGUMENT messages about a grammar start with it
+# Objects and arrays nested in one schema, at most: real schemas stay far below; deeper ones would only exhaust
+# the recursion of whoever walks them (copying, serializing, compiling the grammar) into a 500.
+MAX_SCHEMA_DEPTH = 64
 
 
 class _Strict(BaseModel):
@@ -84,11 +87,28 @@ def check_format_name(name: str, param: str) -> None:
         )
 
 
+def check_schema_depth(schema: Any, param: str) -> None:
+    """At most MAX_SCHEMA_DEPTH objects and arrays nested (walked iteratively): a 400 naming `param` otherwise."""
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            if depth > MAX_SCHEMA_DEPTH:
+                raise invalid_request(
+                    f"Invalid '{param}': nested more than {MAX_SCHEMA_DEPTH} levels deep.",
+                    param,
+                    "invalid_value",
+                )
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+
+
 def guided_json_schema(schema: dict[str, Any] | None, param: str) -> pb.GuidedDecoding:
     """Output constrained to one JSON value valid against `schema` (None: any JSON value). `param` names the
-    schema's field in errors; the schema must serialize as JSON (no NaN or infinities)."""
+    schema's field in errors; the schema must serialize as JSON (no NaN or infinities) and nest at most
+    MAX_SCHEMA_DEPTH levels."""
     if schema is None:
         schema = {}
+    check_schema_depth(schema, param)
     try:
         text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except (ValueError, TypeError) as e:

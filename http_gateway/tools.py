@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 from tpuserve.http_gateway.errors import invalid_request, unsupported
-from tpuserve.http_gateway.structured import check_format_name, guided_json_schema
+from tpuserve.http_gateway.structured import check_format_name, check_schema_depth, guided_json_schema
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -117,6 +117,8 @@ def check_functions(specs: Sequence[FunctionSpec], param: str = "tools", nested:
     seen: set[str] = set()
     for i, spec in enumerate(specs):
         check_format_name(spec.name, f"{param}[{i}]{nested}.name")
+        if spec.parameters is not None:
+            check_schema_depth(spec.parameters, f"{param}[{i}]{nested}.parameters")
         if spec.name in seen:
             raise invalid_request(
                 f"Invalid '{param}': the function name '{spec.name}' is used twice.",
@@ -194,7 +196,14 @@ def forced_call_grammar(
 def _call_schema(spec: FunctionSpec, defs: dict[str, dict[str, Any]], param: str) -> dict[str, Any]:
     arguments = copy.deepcopy(spec.parameters) if spec.parameters else dict(EMPTY_ARGUMENTS)
     for key in _DEF_KEYS:
-        for name, target in (arguments.pop(key, None) or {}).items():
+        targets = arguments.pop(key, None) or {}
+        if not isinstance(targets, dict):
+            raise invalid_request(
+                f"Invalid '{param}': '{key}' in the parameters of '{spec.name}' must be an object.",
+                param,
+                "invalid_value",
+            )
+        for name, target in targets.items():
             known = defs.setdefault(key, {})
             if name in known and known[name] != target:
                 raise invalid_request(
@@ -251,7 +260,7 @@ def parse_tool_calls(text: str, names: Sequence[str]) -> ParsedOutput | None:
         return None
     try:
         value = json.loads(stripped)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested too deeply for the parser
         return None
     items = value if isinstance(value, list) else [value]
     calls = _calls(items, names)
@@ -269,7 +278,7 @@ def _blocks(text: str, names: Sequence[str]) -> list[ParsedCall] | None:
         body = rest[body_start:] if end < 0 else rest[body_start:end]
         try:
             items.append(json.loads(body))
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested too deeply for the parser
             return None
         rest = "" if end < 0 else rest[end + len(TOOL_CALL_CLOSE) :].lstrip()
     return _calls(items, names)
@@ -285,11 +294,14 @@ def _calls(items: list[Any], names: Sequence[str]) -> list[ParsedCall] | None:
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
             try:
                 arguments = json.loads(arguments)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: JSON nested too deeply for the parser
                 return None
         if not isinstance(name, str) or name not in names or not isinstance(arguments, dict):
             return None
-        calls.append(ParsedCall(name, json.dumps(arguments, ensure_ascii=False)))
+        try:
+            calls.append(ParsedCall(name, json.dumps(arguments, ensure_ascii=False)))
+        except RecursionError:  # as deep as the parser allows, deeper than the encoder does
+            return None
     return calls or None
 
 

@@ -90,6 +90,14 @@ def test_structured_output_with_tools_under_auto_is_not_parsed_for_calls(scripte
     assert sent(gw).chat.tools_json == "" and sent(gw).guided.json_object
 
 
+def deep_list(depth: int) -> dict:
+    """A schema whose `enum` value nests `depth` lists: a grammar nobody needs, and a recursion risk for all."""
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return {"enum": [value]}
+
+
 @pytest.mark.parametrize(
     ("fmt", "param"),
     [
@@ -117,6 +125,7 @@ def test_structured_output_with_tools_under_auto_is_not_parsed_for_calls(scripte
         ({"type": "json_object", "extra": 1}, "response_format.extra"),
         ({}, "response_format.type"),
         ("json", "response_format"),
+        (json_schema(deep_list(70)), "response_format.json_schema.schema"),
     ],
 )
 def test_malformed_response_formats_are_400_naming_the_field(scripted_gateway, fmt, param) -> None:

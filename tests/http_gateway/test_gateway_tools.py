@@ -13,6 +13,7 @@ import openai
 import pytest
 from gateway_checks import error, post, stream
 from scripted_backend import DEFAULT_REPLY, encode
+from tpuserve.http_gateway.tools import Piece, ToolCallStream, parse_tool_calls
 
 CHAT = "/v1/chat/completions"
 WEATHER = {
@@ -200,6 +201,22 @@ def test_text_that_is_no_call_stays_content(scripted_gateway, reply) -> None:
     assert b"".join(bytes(e["bytes"]) for e in got[0]["entries"]) == reply.encode()
 
 
+@pytest.mark.parametrize("depth", [999, 1001, 5000])
+def test_json_nested_deeper_than_the_parser_goes_is_no_call(depth) -> None:
+    """A model may write anything: JSON nested past Python's recursion limit is text, never a 500."""
+    nested_args = "{" + '"a": {' * depth + "}" * (depth + 1)
+    for text in (
+        f'{{"name": "f", "arguments": {nested_args}}}',
+        f'<tool_call>{{"name": "f", "arguments": {nested_args}}}',
+    ):
+        parsed = parse_tool_calls(text, ["f"])
+        assert parsed is None or json.loads(parsed.calls[0].arguments)  # parsed only when it round-trips
+        assert parsed is None or depth < 1000
+        held = ToolCallStream(["f"])
+        assert held.feed(Piece(text)) == []
+        assert held.finish()[0] == parsed
+
+
 def test_plain_answers_under_auto_still_stream_token_by_token(scripted_gateway) -> None:
     gw = scripted_gateway
     chunks = stream(gw.http, CHAT, body(gw, "Hi!", tools=[WEATHER]))
@@ -350,6 +367,13 @@ def test_sdk_stream_helper_accumulates_the_fragments(client, scripted_gateway) -
 CALL_1 = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
 
 
+def nested(depth: int) -> dict:
+    schema: dict = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -364,6 +388,17 @@ CALL_1 = {"id": "call_1", "type": "function", "function": {"name": "get_weather"
         ),
         ({"tools": [{"type": "function", "function": {"name": "f", "extra": 1}}]}, "tools[0].function.extra"),
         ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": nested(40)}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"$defs": [1]}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
         ({"tools": [WEATHER] * 129}, "tools"),
         ({"tools": {"type": "function"}}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),  # no tools
