@@ -11,6 +11,7 @@ Responses are dumped in full (`dump()` keeps nulls): the spec requires many null
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_serializer
@@ -327,6 +328,14 @@ class CreateResponseRequest(_Strict):
                 "The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options"
             )
         for i, item in enumerate(self.input if isinstance(self.input, list) else []):
+            if isinstance(item, FunctionCallItem):
+                try:  # the backend parses them to render the turn: its refusal would name no request field
+                    json.loads(item.arguments)
+                except (ValueError, RecursionError):
+                    param = f"input[{i}].arguments"
+                    raise invalid_request(
+                        f"Invalid '{param}': not valid JSON.", param, "invalid_value"
+                    ) from None
             if (
                 isinstance(item, InputMessage)
                 and item.role != "assistant"

@@ -784,6 +784,10 @@ def test_sdk_parse_with_a_pydantic_text_format(scripted_gateway, client) -> None
             "input[1].call_id",
         ),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"}]},
+            "input[0].arguments",
+        ),
     ],
 )
 @pytest.mark.parametrize("stream", [False, True])
