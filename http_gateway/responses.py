@@ -24,7 +24,6 @@ held back as chat holds it; the calls come at the end: output_item.added, functi
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -567,7 +566,23 @@ class _StreamedTurn:
 
 
 def request_summary(req: CreateResponseRequest) -> object:
-    """The request's prompt as the log line shows it (only when prompts are logged)."""
-    if isinstance(req.input, str):
-        return {"instructions": req.instructions, "input": req.input}
-    return {"instructions": req.instructions, "input": [json.loads(i.model_dump_json()) for i in req.input]}
+    """The request's prompt as the log line shows it (only when prompts are logged): the text of each item, not
+    what a client sent back along with it (annotations, logprobs: any JSON, however deep)."""
+    items: object = req.input
+    if isinstance(req.input, list):
+        items = []
+        for item in req.input:
+            if isinstance(item, InputMessage):
+                items.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, FunctionCallItem):
+                items.append(
+                    {
+                        "type": item.type,
+                        "call_id": item.call_id,
+                        "name": item.name,
+                        "arguments": item.arguments,
+                    }
+                )
+            elif isinstance(item, FunctionCallOutputItem):
+                items.append({"type": item.type, "call_id": item.call_id, "output": item.text()})
+    return {"instructions": req.instructions, "input": items}

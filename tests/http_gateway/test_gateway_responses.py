@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import logging
+import time
 
 import httpx
 import jsonschema
@@ -21,6 +23,7 @@ import pydantic
 import pytest
 import referencing
 from gateway_checks import check_chat_entry, entry_bytes, error, strict_json
+from gateway_harness import GatewayServer
 from scripted_backend import DEFAULT_REPLY, EOS, MODEL_ID, SPECIALS, logprob, render_chat
 from tpuserve.http_gateway import openapi
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
@@ -842,6 +845,65 @@ def test_a_sample_ended_by_error_is_not_a_response(scripted_gateway, reason, sta
     error(scripted_gateway.http, RESPONSES, body(scripted_gateway, f"endwith:{reason}"), status)
     evs = events(scripted_gateway.http, body(scripted_gateway, f"endwith:{reason}"))
     assert evs[-1]["type"] == "error" and "response.completed" not in [e["type"] for e in evs]
+
+
+# ---- logs -------------------------------------------------------------------------------------------------------
+
+
+def _fields(record: logging.LogRecord) -> dict:
+    return getattr(record, "fields", {})
+
+
+def test_logged_prompt_is_the_items_text_whatever_else_they_carry(scripted) -> None:
+    """With log_prompts the request's log line holds instructions and each item's text; what a client sends back
+    with an earlier output (annotations, logprobs: any JSON, here nested 900 deep) is not serialized there."""
+    deep: list = []
+    for _ in range(900):
+        deep = [deep]
+    items = [
+        {
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "before", "annotations": [{"x": deep}]}],
+        },
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "out"},
+        {"role": "user", "content": "say:ok"},
+    ]
+    lines: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = lines.append  # type: ignore[method-assign]
+    logger = logging.getLogger("tpuserve.gateway.requests")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    server = GatewayServer([scripted.address], log_prompts=True).start()
+    try:
+        r = httpx.post(
+            server.url + RESPONSES,
+            json={"model": MODEL_ID, "input": items, "instructions": "Sys"},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 5
+        while (
+            not [x for x in lines if _fields(x).get("request_id") == r.json()["id"]]
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.01)
+    finally:
+        server.stop()
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    [record] = [x for x in lines if _fields(x).get("request_id") == r.json()["id"]]
+    assert _fields(record)["prompt"] == {
+        "instructions": "Sys",
+        "input": [
+            {"role": "assistant", "content": "before"},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "out"},
+            {"role": "user", "content": "say:ok"},
+        ],
+    }
 
 
 # ---- the gateway's own OpenAPI document -----------------------------------------------------------------------
