@@ -719,6 +719,12 @@ def test_sdk_parse_with_a_pydantic_text_format(scripted_gateway, client) -> None
     assert schema["properties"]["city"]["type"] == "string" and schema["required"] == ["city"]
 
 
+def test_sdk_stream_helper_parses_a_text_format(client) -> None:
+    with client.responses.stream(model=MODEL_ID, input='say:{"city": "Rome"}', text_format=Place) as stream:
+        final = stream.get_final_response()
+    assert final.output_parsed == Place(city="Rome")
+
+
 # ---- errors -------------------------------------------------------------------------------------------------
 
 
