@@ -38,14 +38,22 @@ class GetWeather(pydantic.BaseModel):
     unit: Literal["C", "F"]
 
 
+# GetWeather's schema without pydantic's titles: the engine's context here is 256 tokens, and the generic tool
+# prompt lists the schema
 WEATHER_TOOL = {
     "type": "function",
     "function": {
         "name": "GetWeather",
         "description": "Get the current weather in a city.",
-        "parameters": GetWeather.model_json_schema(),
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "London", "Tokyo"]}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
     },
 }
+CALL_TOKENS = 32  # {"name": "GetWeather", "arguments": {"city": "Tokyo", "unit": "C"}} and the EOS
 
 
 @pytest.fixture(scope="module")
@@ -160,9 +168,10 @@ def test_langchain_bind_tools_named_and_required(real) -> None:
     llm = langchain_openai.ChatOpenAI(model=model, base_url=url + "/v1", api_key="unused", max_tokens=MAX_TOKENS,
                                       temperature=0, max_retries=0)  # fmt: skip
     for choice in ("GetWeather", "required"):
-        msg = llm.bind_tools([GetWeather], tool_choice=choice, parallel_tool_calls=False).invoke(
-            "What is the weather in Paris?"
-        )
+        # strict: LangChain closes the schema (additionalProperties: false), as OpenAI's strict mode needs; an open
+        # one lets this tiny model add keys until max_tokens
+        tools = llm.bind_tools([GetWeather], tool_choice=choice, parallel_tool_calls=False, strict=True)
+        msg = tools.invoke("What is the weather in Paris?")
         assert msg.response_metadata["finish_reason"] == "tool_calls", msg
         (call,) = msg.tool_calls
         assert call["name"] == "GetWeather" and call["id"].startswith("call_")
@@ -171,7 +180,7 @@ def test_langchain_bind_tools_named_and_required(real) -> None:
 
 def test_sdk_forced_call_streams_as_it_answers(real) -> None:
     _, model, http = real
-    body = {"model": model, "messages": _messages("Weather in Tokyo, please."), "max_tokens": MAX_TOKENS,
+    body = {"model": model, "messages": _messages("Weather in Tokyo, please."), "max_tokens": CALL_TOKENS,
             "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "GetWeather"}},
             "temperature": 1.0, "seed": 5, "logprobs": True}  # fmt: skip
     plain = _plain(_post(http, body))
@@ -189,14 +198,14 @@ def test_sdk_sends_the_call_and_its_result_back(real) -> None:
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
     first = client.chat.completions.create(
         model=model, messages=_messages("Weather in London?"), tools=[WEATHER_TOOL], tool_choice="required",
-        parallel_tool_calls=False, max_tokens=MAX_TOKENS, temperature=0,
+        parallel_tool_calls=False, max_tokens=CALL_TOKENS, temperature=0,
     )  # fmt: skip
     message = first.choices[0].message
     (call,) = message.tool_calls
     history = [*_messages("Weather in London?"), message.model_dump(exclude_none=True),
                {"role": "tool", "tool_call_id": call.id, "content": "12 C, rain"}]  # fmt: skip
     second = client.chat.completions.create(
-        model=model, messages=history, tools=[WEATHER_TOOL], tool_choice="none", max_tokens=16, temperature=0
+        model=model, messages=history, tools=[WEATHER_TOOL], tool_choice="none", max_tokens=8, temperature=0
     )
     assert second.choices[0].message.content and not second.choices[0].message.tool_calls
 
