@@ -121,6 +121,11 @@ class Engine(abc.ABC):
     top_k_width: int = MAX_TOP_LOGPROBS
     prefill_chunk: int = 512  # prompt tokens one prefill step computes at most
 
+    @property
+    def mask_words(self) -> int:
+        """int32 words of one token bitmask (structured outputs)."""
+        return -(-self.vocab_size // 32)
+
     @abc.abstractmethod
     def prefill(self, tokens: list[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None) -> Any:
         """Run the prompt once; the returned prefix can be inserted into several slots (n samples).
@@ -158,8 +163,16 @@ class Engine(abc.ABC):
         """Prompt logprobs of a prefix made with want_prompt_logprobs=True, else None."""
 
     @abc.abstractmethod
-    def insert(self, prefix: Any, slot: int, params: SlotParams) -> TokenOut:
-        """Put a prefix into a free slot and sample its first token with the slot's parameters."""
+    def insert(self, prefix: Any, slot: int, params: SlotParams, allowed: np.ndarray | None = None) -> TokenOut:
+        """Put a prefix into a free slot and sample its first token with the slot's parameters; `allowed`
+        (structured outputs): the token bitmask the first token must pass (see `constrain`)."""
+
+    def constrain(self, slot: int, allowed: np.ndarray | None) -> None:
+        """Structured outputs: the occupied slot's next token must pass `allowed`, a token bitmask of
+        `mask_words` int32 words (token t = bit t % 32 of word t // 32, llguidance's layout); None lifts it.
+        While any occupied slot is constrained a generate call makes one step (the host computes the next mask
+        from the token it made). Released slots are free again."""
+        raise NotImplementedError(f"{type(self).__name__} has no structured outputs")
 
     @abc.abstractmethod
     def generate(self) -> StepArrays:
@@ -169,8 +182,10 @@ class Engine(abc.ABC):
     def release(self, slot: int) -> None:
         """Free a slot (finished or cancelled); it takes no part in the next generate call."""
 
-    def start_insert(self, prefix: Any, slot: int, params: SlotParams) -> Pending[TokenOut]:
-        return Pending.ready(self.insert(prefix, slot, params))
+    def start_insert(
+        self, prefix: Any, slot: int, params: SlotParams, allowed: np.ndarray | None = None
+    ) -> Pending[TokenOut]:
+        return Pending.ready(self.insert(prefix, slot, params, allowed))
 
     def start_generate(self) -> Pending[StepArrays]:
         """Dispatch the next N decode steps. Outputs of a slot released meanwhile are to be ignored."""

@@ -148,6 +148,11 @@ class JaxEngine(Engine):
         # each one's length (what the dispatched calls can have written), for the batch and attention buckets.
         self._occupied = np.zeros(slots, bool)
         self._length_bound = np.zeros(slots, np.int64)
+        # Structured outputs: each slot's token bitmask for its next token (all ones = free), set by `constrain`.
+        self._allowed = np.full((slots, self.mask_words), -1, np.int32)
+        self._constrained = np.zeros(slots, bool)
+        self._free_masks = self._place_replicated(np.full((slots, self.mask_words), -1, np.int32))
+        self._free_row = np.full(self.mask_words, -1, np.int32)
         log.info("KV cache: %d slots x %d positions, %s, %.1f MiB", slots, max_seq_len, dtype.name,
                  self.kv_cache_bytes / 2**20)  # fmt: skip
 
@@ -174,6 +179,11 @@ class JaxEngine(Engine):
         self.pool = pool
         self.index = PrefixIndex(blocks, C, block_bytes)
         log.info("prefix cache: %d blocks of %d tokens, %.1f MiB", blocks, C, blocks * block_bytes / 2**20)
+
+    def _place_replicated(self, array):
+        if self.mesh is None:
+            return jax.device_put(array)
+        return jax.device_put(array, NamedSharding(self.mesh, PartitionSpec()))
 
     def _place(self, state):
         if self.mesh is None:
@@ -272,10 +282,19 @@ class JaxEngine(Engine):
         n = prefix.prompt_len - 1
         return PromptLogprobs(chosen[:n], top_ids[:n], top_vals[:n])
 
-    def start_insert(self, prefix: Prefix, slot: int, params: SlotParams) -> Pending[TokenOut]:
+    def start_insert(
+        self, prefix: Prefix, slot: int, params: SlotParams, allowed: np.ndarray | None = None
+    ) -> Pending[TokenOut]:
         one = slot_sampling(params)  # ValueError for a bad seed or too many stop ids, before anything runs
+        row = self._free_row if allowed is None else self._mask_row(allowed)
         self.state, (out, done) = self.programs.insert(
-            self.state, prefix.cache, prefix.last_logits, np.int32(slot), np.int32(prefix.prompt_len), one
+            self.state,
+            prefix.cache,
+            prefix.last_logits,
+            np.int32(slot),
+            np.int32(prefix.prompt_len),
+            one,
+            row,
         )
         _host_copy((out, done))
         self._occupied[slot] = True
@@ -287,8 +306,20 @@ class JaxEngine(Engine):
 
         return Pending(read)
 
-    def insert(self, prefix: Prefix, slot: int, params: SlotParams) -> TokenOut:
-        return self.start_insert(prefix, slot, params).result()
+    def insert(
+        self, prefix: Prefix, slot: int, params: SlotParams, allowed: np.ndarray | None = None
+    ) -> TokenOut:
+        return self.start_insert(prefix, slot, params, allowed).result()
+
+    def _mask_row(self, allowed: np.ndarray) -> np.ndarray:
+        row = np.asarray(allowed, np.int32).reshape(-1)
+        if row.shape != (self.mask_words,):
+            raise ValueError(f"a token bitmask has {self.mask_words} int32 words, got {row.shape}")
+        return row
+
+    def constrain(self, slot: int, allowed: np.ndarray | None) -> None:
+        self._allowed[slot] = self._free_row if allowed is None else self._mask_row(allowed)
+        self._constrained[slot] = allowed is not None
 
     def buckets(self) -> tuple[int, int, int]:
         """(attend_len, batch, steps) of the next decode call: they cover every occupied slot for its steps."""
@@ -300,15 +331,21 @@ class JaxEngine(Engine):
         return attend, batch, steps
 
     def next_call_steps(self) -> int:
-        return self.buckets()[2]
+        # a constrained row needs the host (its next mask) after every token: the call makes one step
+        return 1 if self._constrained[self._occupied].any() else self.buckets()[2]
 
     def start_generate(self) -> Pending[StepArrays]:
         attend, batch, steps = self.buckets()
+        steps_now = self.next_call_steps()
+        masks = self._free_masks
+        if self._constrained[self._occupied].any():
+            # a copy (a CPU device may alias host memory), put without a program (jnp.asarray compiles one)
+            masks = self._place_replicated(self._allowed.copy())
         self.state, (out, valid, done) = self.programs.decode(
-            self.params, self.state, attend_len=attend, batch=batch, steps=steps
+            self.params, self.state, masks, np.int32(steps_now), attend_len=attend, batch=batch, steps=steps
         )
         _host_copy((out, valid, done))
-        self._length_bound[self._occupied] += steps
+        self._length_bound[self._occupied] += steps_now
 
         def read() -> StepArrays:
             ids, lps, top_ids, top_vals = (self._pad(np.asarray(a)) for a in out)
@@ -338,6 +375,7 @@ class JaxEngine(Engine):
         self.state = self.programs.release(self.state, np.int32(slot))
         self._occupied[slot] = False
         self._length_bound[slot] = 0
+        self.constrain(slot, None)
 
     # -- start-up -----------------------------------------------------------------------------------------------
     def chunk_plan(self, n: int, first: int = 0) -> list[tuple[int, int, int, int]]:
@@ -388,7 +426,13 @@ class JaxEngine(Engine):
             # and the call later finds this executable (the same arguments' shapes and placement)
             steps = self.call_steps[batch]
             self.programs.decode.lower(
-                self.params, self.state, attend_len=attend, batch=batch, steps=steps
+                self.params,
+                self.state,
+                self._free_masks,
+                np.int32(steps),
+                attend_len=attend,
+                batch=batch,
+                steps=steps,
             ).compile()
 
         stages = [(f"prefill chunk of {size} attending {attend}", functools.partial(chunk, size, attend, start))

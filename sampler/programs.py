@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from tpuserve.model.llama import KVCache, Llama, cache_bytes, init_cache
-from tpuserve.sampler.sampling import processed_logits, sample, top_logprobs
+from tpuserve.sampler.sampling import NEG_INF, processed_logits, sample, top_logprobs
 from tpuserve.sampler.state import DecodeState, SlotSampling
 
 
@@ -41,10 +41,10 @@ class Programs(NamedTuple):
     chunk: Any  # (params, cache, tokens [size], start; attend_len) -> (cache, hidden [size, H])
     chunk_logprobs: Any  # (params, hidden [size, H], targets [size]) -> ChunkLogprobs
     last_logits: Any  # (params, hidden [size, H], index) -> logits [V]
-    insert: Any  # (state, prefix, last_logits, slot, prompt_len, SlotSampling) -> (state, (StepOut, done))
-    decode: (
-        Any  # (params, state; attend_len, batch, steps) -> (state, (StepOut, valid, done) each [N, batch])
-    )
+    insert: Any  # (state, prefix, last_logits, slot, prompt_len, SlotSampling, allowed [W]) -> (state, (StepOut, done))
+    # (params, state, allowed [slots, W], steps_now; attend_len, batch, steps) -> (state, (StepOut, valid, done)
+    # each [N, batch])
+    decode: Any
     release: Any  # (state, slot) -> state
     # the prefix cache's pool (see sampler/prefix_cache.py)
     store: Any  # (pool, cache, start, block) -> pool: the cache's positions start..start+C-1 into a block
@@ -87,17 +87,34 @@ def pool_block_bytes(cfg, block: int, K: int, dtype) -> int:
     return cache_bytes(cfg, 1, block, dtype) + 4 * (block + 2 * block * K + cfg.vocab_size)
 
 
-def step_outputs(logits: jax.Array, s: SlotSampling, positions: jax.Array, cfg: ProgramConfig) -> StepOut:
-    """Sample one token per row and gather its logprob and the top-K. logits: [B, V]; s: [B] parameters.
+def allowed_bits(allowed: jax.Array, vocab: int) -> jax.Array:
+    """Token bitmasks [B, W] (int32 words, token t = bit t % 32 of word t // 32: llguidance's layout) -> [B, V]
+    booleans."""
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = (allowed[:, :, None] >> shifts) & 1
+    return bits.reshape(allowed.shape[0], -1)[:, :vocab].astype(bool)
 
-    Raw logprobs (log_softmax of the model's logits) unless cfg.processed_logprobs: then, for sampled rows, the
-    log_softmax of the temperature-scaled, filtered logits that were sampled from."""
+
+def step_outputs(
+    logits: jax.Array, s: SlotSampling, positions: jax.Array, cfg: ProgramConfig, allowed: jax.Array
+) -> StepOut:
+    """Sample one token per row and gather its logprob and the top-K. logits: [B, V]; s: [B] parameters;
+    allowed: [B, W] token bitmasks (structured outputs; all ones for a free row).
+
+    Sampling (and greedy) draws from the allowed tokens only. Raw logprobs (log_softmax of the model's logits,
+    mask or not) unless cfg.processed_logprobs: then the log_softmax of what was sampled from (the
+    temperature-scaled, filtered logits for sampled rows; the masked logits for a constrained greedy row)."""
+    keep = allowed_bits(allowed, logits.shape[-1])
+    constrained = ~jnp.all(keep, axis=-1)
+    masked = jnp.where(keep, logits, NEG_INF)  # the same values where every token is allowed
     lp = jax.nn.log_softmax(logits, axis=-1)
     top_vals, top_ids = top_logprobs(lp, cfg.K)
-    ids = sample(logits, top_ids[:, 0], s.keys, positions, s.temperature, s.top_p, s.top_k, s.min_p)
+    greedy = jnp.where(constrained, jnp.argmax(masked, axis=-1).astype(jnp.int32), top_ids[:, 0])
+    ids = sample(masked, greedy, s.keys, positions, s.temperature, s.top_p, s.top_k, s.min_p)
     if cfg.processed_logprobs:
-        proc = processed_logits(logits, s.temperature, s.top_p, s.top_k, s.min_p)
-        lp = jnp.where((s.temperature > 0)[:, None], jax.nn.log_softmax(proc, axis=-1), lp)
+        proc = processed_logits(masked, s.temperature, s.top_p, s.top_k, s.min_p)
+        greedy_lp = jnp.where(constrained[:, None], jax.nn.log_softmax(masked, axis=-1), lp)
+        lp = jnp.where((s.temperature > 0)[:, None], jax.nn.log_softmax(proc, axis=-1), greedy_lp)
         top_vals, top_ids = top_logprobs(lp, cfg.K)
     token_lp = jnp.take_along_axis(lp, ids[:, None], axis=-1)[:, 0]
     return StepOut(ids, token_lp, top_ids, top_vals)
@@ -164,15 +181,16 @@ def cached_logprobs_program(pool: Pool, blocks: jax.Array, targets: jax.Array):
 
 
 def insert_program(state: DecodeState, prefix: KVCache, last_logits, slot, prompt_len, one: SlotSampling,
-                   cfg: ProgramConfig):  # fmt: skip
-    """Copy a prefix into `slot`, set its parameters and sample its first token from `last_logits`."""
+                   allowed, cfg: ProgramConfig):  # fmt: skip
+    """Copy a prefix into `slot`, set its parameters and sample its first token from `last_logits` (among the
+    tokens `allowed` [W] lets through)."""
     start = (0, slot, 0, 0, 0)
     cache = KVCache(
         jax.lax.dynamic_update_slice(state.cache.k, prefix.k.astype(state.cache.k.dtype), start),
         jax.lax.dynamic_update_slice(state.cache.v, prefix.v.astype(state.cache.v.dtype), start),
     )
     row = jax.tree.map(lambda a: jnp.asarray(a)[None], one)  # [1] parameters
-    out = step_outputs(last_logits[None], row, prompt_len[None], cfg)
+    out = step_outputs(last_logits[None], row, prompt_len[None], cfg, allowed[None])
     done = is_done(out.ids, jnp.ones(1, jnp.int32), row, prompt_len[None], cfg.max_seq_len)
     state = state.replace(
         cache=cache,
@@ -185,25 +203,40 @@ def insert_program(state: DecodeState, prefix: KVCache, last_logits, slot, promp
     return state, (StepOut(*(a[0] for a in out)), done[0])
 
 
-def decode_program(m: Llama, state: DecodeState, attend_len: int, batch: int, steps: int, cfg: ProgramConfig):
-    """`steps` (N) fused decode steps over slots 0..batch-1 (a static bucket covering every occupied slot);
-    finished and empty slots are masked, not branched. Outputs are [N, batch]."""
+def decode_program(m: Llama, state: DecodeState, allowed, steps_now, attend_len: int, batch: int, steps: int,
+                   cfg: ProgramConfig):  # fmt: skip
+    """Up to `steps` (N, static: the outputs' size) fused decode steps over slots 0..batch-1 (a static bucket
+    covering every occupied slot); `steps_now` (traced, 1..N) of them run, so a call whose tokens need the host
+    between steps (a constrained row's next mask) costs one step, not N, with no other program. Finished and
+    empty slots are masked, not branched. allowed: [slots, W] token bitmasks. Outputs are [N, batch]; steps past
+    steps_now are not valid."""
     small = jax.tree.map(lambda a: a[:batch], state.replace(cache=None))
+    masks = allowed[:batch]
 
-    def step(carry, _):
-        s, cache = carry
+    def step(s, cache):
         positions = jnp.minimum(s.lengths, cfg.max_seq_len - 1)
         hidden, cache = m(s.last[:, None], positions[:, None], cache, attend_len)
-        out = step_outputs(m.logits(hidden[:, 0]), s.sampling, positions + 1, cfg)
+        out = step_outputs(m.logits(hidden[:, 0]), s.sampling, positions + 1, cfg, masks)
         valid = s.active
         lengths = jnp.where(valid, s.lengths + 1, s.lengths)
         generated = jnp.where(valid, s.generated + 1, s.generated)
         done = valid & is_done(out.ids, generated, s.sampling, lengths, cfg.max_seq_len)
         s = s.replace(lengths=lengths, generated=generated, active=valid & ~done,
                       last=jnp.where(valid, out.ids, s.last))  # fmt: skip
-        return (s, cache), (out, valid, done)
+        return s, cache, (out, valid, done)
 
-    (small, cache), outs = jax.lax.scan(step, (small, state.cache), None, length=steps)
+    def body(carry):
+        i, s, cache, outs = carry
+        s, cache, new = step(s, cache)
+        outs = jax.tree.map(lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0), outs, new)
+        return i + 1, s, cache, outs
+
+    shapes = jax.eval_shape(lambda s, c: step(s, c)[2], small, state.cache)
+    empty = jax.tree.map(lambda a: jnp.zeros((steps, *a.shape), a.dtype), shapes)
+    bound = jnp.clip(steps_now, 1, steps)
+    _, small, cache, outs = jax.lax.while_loop(
+        lambda c: c[0] < bound, body, (jnp.int32(0), small, state.cache, empty)
+    )
     merged = jax.tree.map(lambda full, part: full.at[:batch].set(part), state.replace(cache=None), small)
     return merged.replace(cache=cache), outs
 
@@ -232,12 +265,14 @@ def build_programs(graphdef: Any, cfg: ProgramConfig, model_cfg, dtype, prefix_s
         return model(params).logits(jax.lax.dynamic_index_in_dim(hidden, index, keepdims=False))
 
     @functools.partial(jax.jit, donate_argnums=(0,))
-    def insert(state: DecodeState, prefix: KVCache, last_logits, slot, prompt_len, one: SlotSampling):
-        return insert_program(state, prefix, last_logits, slot, prompt_len, one, cfg)
+    def insert(
+        state: DecodeState, prefix: KVCache, last_logits, slot, prompt_len, one: SlotSampling, allowed
+    ):
+        return insert_program(state, prefix, last_logits, slot, prompt_len, one, allowed, cfg)
 
     @functools.partial(jax.jit, static_argnames=("attend_len", "batch", "steps"), donate_argnums=(1,))
-    def decode(params, state: DecodeState, attend_len: int, batch: int, steps: int):
-        return decode_program(model(params), state, attend_len, batch, steps, cfg)
+    def decode(params, state: DecodeState, allowed, steps_now, attend_len: int, batch: int, steps: int):
+        return decode_program(model(params), state, allowed, steps_now, attend_len, batch, steps, cfg)
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def release(state: DecodeState, slot):

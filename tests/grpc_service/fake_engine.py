@@ -214,7 +214,8 @@ class FakeEngine(Engine):
         top_lps = (lps[:, None] - np.arange(K)[None, :] / 2).astype(np.float32)
         return PromptLogprobs(lps, top_ids, top_lps)
 
-    def insert(self, prefix: FakePrefix, slot: int, params: SlotParams) -> TokenOut:
+    def insert(self, prefix: FakePrefix, slot: int, params: SlotParams, allowed=None) -> TokenOut:
+        assert allowed is None, "the fake engine takes no token masks (its server has no structured outputs)"
         assert slot not in self._active, f"slot {slot} inserted while still active"
         assert 0 <= slot < self.slots
         tokens = prefix.tokens
