@@ -30,6 +30,8 @@ class GenerationJob:
     eos_ids: frozenset[int] = frozenset()  # the tokenizer's EOS ids, empty with ignore_eos (finish EOS)
     prompt_logprobs: bool = False
     cache_salt: str | None = None  # the prefix cache's namespace (None: the shared default one)
+    grammar: str | None = None  # structured outputs: a checked llguidance grammar every sample must follow
+    return_prompt_token_ids: bool = False  # send prompt_ids on each sample's first message
 
     @property
     def n(self) -> int:

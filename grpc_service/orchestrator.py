@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 from tpuserve.grpc_service import jobs
 from tpuserve.grpc_service.admission import RequestStream, ShuttingDownError, WaitingQueue
+from tpuserve.grpc_service.guided import Constraint, Grammars, GuidedError
 from tpuserve.grpc_service.jobs import ErrorEvent, Event, Finish, GenerationJob, PromptEvent
 from tpuserve.grpc_service.sample import SampleTracker
 from tpuserve.sampler.api import Engine, Pending, StepArrays, TokenOut
@@ -54,6 +55,7 @@ class _Running:
     outbox: list[Event] = field(default_factory=list)
     timed: set[int] = field(default_factory=set)  # samples whose first token has been timed
     prefill: Iterator[object] | None = None  # the engine's prefill steps, until the prefix is inserted
+    constraints: dict[int, Constraint] = field(default_factory=dict)  # structured outputs: sample -> grammar
 
     def close_prefill(self) -> None:
         """Close the engine's prefill steps (what the engine holds for them, e.g. prefix-cache blocks, is let
@@ -88,8 +90,10 @@ class Orchestrator:
         max_queue: int = 256,
         max_queue_wait_s: float | None = None,
         prefill_budget: int | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.engine = engine
+        self.grammars = grammars  # structured outputs (None: the engine takes no token masks)
         # prompt tokens prefilled per turn while streams decode; default: one chunk
         self.prefill_budget = prefill_budget or engine.prefill_chunk
         self._token_bytes = token_bytes
@@ -215,12 +219,27 @@ class Orchestrator:
         self._advance_prefills()
         self._publish()  # the slots just taken: readers see them during the decode read that follows
         previous, self._inflight = self._inflight, None
+        if self._constrained_slots():  # their next masks need the tokens before: no call stays in flight
+            if previous is not None:
+                self._read_decode(previous)
+                previous = None
+            self._read_first_tokens()
+            for slot, constraint in self._constrained_slots():
+                self.engine.constrain(slot, constraint.mask())
         if self._wants_tokens(previous):
             self._dispatch_decode()
         if previous is not None:
             self._read_decode(previous)
         self._read_first_tokens()
         self._flush_outboxes()
+
+    def _constrained_slots(self) -> list[tuple[int, Constraint]]:
+        """(slot, grammar) of every sample in a slot that decodes under a grammar."""
+        return [
+            (slot, run.constraints[index])
+            for slot, (run, index) in self._owner.items()
+            if index in run.constraints and not run.trackers[index].finished
+        ]
 
     def _publish(self) -> None:
         used = sum(
@@ -259,6 +278,9 @@ class Orchestrator:
         for index in range(job.n if job.max_tokens > 0 else 0):
             run.slots[index] = heapq.heappop(self._free)
         try:
+            if job.grammar is not None and job.max_tokens > 0:
+                assert self.grammars is not None  # the servicer refuses a grammar without them
+                run.constraints = {index: self.grammars.constraint(job.grammar) for index in run.slots}
             run.prefill = self.engine.prefill_steps(
                 list(job.prompt_ids), job.prompt_logprobs, cache_salt=job.cache_salt
             )
@@ -305,7 +327,9 @@ class Orchestrator:
             for index, params in enumerate(job.samples if job.max_tokens > 0 else ()):
                 slot = run.slots[index]
                 self._owner[slot] = (run, index)
-                self._firsts.append((run, index, self.engine.start_insert(prefix, slot, params)))
+                constraint = run.constraints.get(index)
+                allowed = None if constraint is None else constraint.mask()
+                self._firsts.append((run, index, self.engine.start_insert(prefix, slot, params, allowed)))
         except Exception as exc:
             log.exception("insert failed for request %s", job.request_id)
             self._fail(run, f"engine error: {exc}")
@@ -369,6 +393,16 @@ class Orchestrator:
             self._on_token(run, index, token)
 
     def _on_token(self, run: _Running, index: int, token: TokenOut) -> None:
+        constraint = run.constraints.get(index)
+        if constraint is not None and not run.trackers[index].finished:
+            try:
+                constraint.consume(token.token_id)
+            except GuidedError as exc:
+                log.error("request %s sample %d: %s", run.stream.job.request_id, index, exc)
+                run.outbox.append(run.trackers[index].end(Finish.ERROR, f"structured output: {exc}"))
+                self._release(run, index)
+                self._close_if_done(run)
+                return
         event = run.trackers[index].add(token)
         if event is not None:
             if index not in run.timed and event.tokens:

@@ -28,6 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+from tpuserve.grpc_service.guided import Grammars
 from tpuserve.grpc_service.metrics import BackendMetrics, watch_compiles
 from tpuserve.grpc_service.orchestrator import Orchestrator
 from tpuserve.grpc_service.servicer import TextGenerationServicer
@@ -91,6 +92,13 @@ class GrpcServer:
         return drained
 
 
+def grammars_for(engine: Engine, tokenizer: Tokenizer) -> Grammars | None:
+    """Structured outputs for engines that take token masks (all but test doubles without them)."""
+    if type(engine).constrain is Engine.constrain:
+        return None
+    return Grammars.for_tokenizer(tokenizer, engine.vocab_size)
+
+
 async def start_server(
     engine: Engine,
     tokenizer: Tokenizer,
@@ -120,6 +128,7 @@ async def start_server(
         max_queue=max_queue,
         max_queue_wait_s=max_queue_wait_s,
         prefill_budget=prefill_budget,
+        grammars=grammars_for(engine, tokenizer),
     )
     metrics = _metrics_of(orchestrator) if metrics_port else None
     servicer = TextGenerationServicer(

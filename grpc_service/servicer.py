@@ -59,6 +59,7 @@ class _Responses:
         self.job, self.convert, self.rec, self.metrics = job, convert, rec, metrics
         self.prompt_len = len(job.prompt_ids)
         self.sent = [0] * job.n  # tokens sent per sample: the next token's index
+        self.opened: set[int] = set()  # samples that have had a message (prompt_token_ids go on the first)
         self.finished = [False] * job.n
 
     def prompt(self, event: PromptEvent) -> pb.GenerateResponse:
@@ -87,6 +88,9 @@ class _Responses:
             self._count_finish(event.finish)
             self.rec.cached_tokens = max(self.rec.cached_tokens, event.cached_tokens)
         msg = self.convert.response(self.job.request_id, event, self.sent[event.index], self.prompt_len)
+        if self.job.return_prompt_token_ids and event.index not in self.opened:
+            msg.prompt_token_ids.extend(self.job.prompt_ids)
+        self.opened.add(event.index)
         self.sent[event.index] += len(event.tokens)
         self.finished[event.index] = event.finish is not None
         return msg
@@ -223,7 +227,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
 
     async def _job(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, rec: _Record):
         try:
-            job = build_job(request, self.tokenizer, self.limits, self.tokenizer.eos_ids)
+            job = build_job(
+                request, self.tokenizer, self.limits, self.tokenizer.eos_ids, self.orchestrator.grammars
+            )
         except InvalidRequest as e:
             rec.code, rec.error = "INVALID_ARGUMENT", str(e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tpuserve.grpc_service.jobs import GenerationJob
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
@@ -14,6 +15,7 @@ from tpuserve.sampler.api import MAX_TOP_LOGPROBS, SlotParams
 from tpuserve.sampler.state import MAX_STOP_IDS, SEED_RANGE
 
 if TYPE_CHECKING:
+    from tpuserve.grpc_service.guided import Grammars
     from tpuserve.model.tokenizer import Tokenizer
 
 
@@ -34,18 +36,48 @@ class Limits:
     max_prompt_tokens: int | None = None  # the server's own cap (below the context length); None = none
 
 
-def chat_messages(chat: pb.ChatMessages) -> tuple[list[dict[str, str]], bool]:
-    """Messages as the tokenizer's `render_chat` takes them, and add_generation_prompt (default true)."""
+def _json(text: str, field: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise InvalidRequest(field, f"not valid JSON: {e}") from None
+
+
+def _message(m: pb.ChatMessage, field: str) -> dict[str, Any]:
+    """One message in the shape chat templates (transformers' apply_chat_template) read."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": _json(c.arguments, f"{field}.tool_calls[{k}].arguments")}}
+            for k, c in enumerate(m.tool_calls)
+        ]  # fmt: skip
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    return out
+
+
+def chat_messages(
+    chat: pb.ChatMessages, field: str = "chat"
+) -> tuple[list[dict[str, Any]], bool, list | None]:
+    """Messages as the tokenizer's `render_chat` takes them, add_generation_prompt (default true), and the
+    tools (None when none are offered)."""
     add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    return [{"role": m.role, "content": m.content} for m in chat.messages], add
+    messages = [_message(m, f"{field}.messages[{n}]") for n, m in enumerate(chat.messages)]
+    tools = _json(chat.tools_json, f"{field}.tools_json") if chat.tools_json else None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise InvalidRequest(f"{field}.tools_json", "must be a JSON list of tool objects")
+    return messages, add, tools or None
 
 
 def render_chat(tokenizer: Tokenizer, chat: pb.ChatMessages, field: str) -> tuple[str, list[int]]:
-    messages, add = chat_messages(chat)
+    messages, add, tools = chat_messages(chat, field)
     if not messages:
         raise InvalidRequest(f"{field}.messages", "at least one message is required")
     try:
-        return tokenizer.render_chat(messages, add_generation_prompt=add)
+        return tokenizer.render_chat(messages, add_generation_prompt=add, tools=tools)
     except ValueError as e:
         raise InvalidRequest(field, str(e)) from None
 
@@ -96,9 +128,7 @@ def _cache_salt(request: pb.GenerateRequest) -> str | None:
     if not request.HasField("cache_salt"):
         return None
     if not 0 < len(request.cache_salt) <= MAX_CACHE_SALT:
-        raise InvalidRequest(
-            "cache_salt", f"1 to {MAX_CACHE_SALT} characters, got {len(request.cache_salt)}"
-        )
+        raise InvalidRequest("cache_salt", f"1 to {MAX_CACHE_SALT} characters, got {len(request.cache_salt)}")
     return request.cache_salt
 
 
@@ -164,8 +194,25 @@ def stop_ids(
     return eos, ids
 
 
+def _grammar(request: pb.GenerateRequest, grammars: Grammars | None) -> str | None:
+    if not request.HasField("guided"):
+        return None
+    if grammars is None:
+        raise InvalidRequest("guided", "this server has no structured outputs")
+    from tpuserve.grpc_service.guided import GuidedError
+
+    try:
+        return grammars.compile(request.guided)
+    except GuidedError as e:
+        raise InvalidRequest(e.field, str(e)) from None
+
+
 def build_job(
-    request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits, eos_ids: tuple[int, ...]
+    request: pb.GenerateRequest,
+    tokenizer: Tokenizer,
+    limits: Limits,
+    eos_ids: tuple[int, ...],
+    grammars: Grammars | None = None,
 ) -> GenerationJob:
     """Validate everything before the request takes a place in the queue."""
     n = request.n or 1
@@ -183,6 +230,7 @@ def build_job(
     eos, stops = stop_ids(stopping, eos_ids)
     ids = prompt_ids(request, tokenizer, limits)
     max_tokens = _max_tokens(request, len(ids), limits)
+    grammar = _grammar(request, grammars)
 
     seed = request.sampling.seed if request.sampling.HasField("seed") else secrets.randbelow(SEED_RANGE)
     samples = tuple(  # sample i's seed is seed + i, wrapping within the engine's 64-bit seeds
@@ -199,4 +247,6 @@ def build_job(
         eos_ids=eos,
         prompt_logprobs=request.logprobs.prompt_logprobs,
         cache_salt=cache_salt,
+        grammar=grammar,
+        return_prompt_token_ids=request.return_prompt_token_ids,
     )
