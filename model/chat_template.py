@@ -72,17 +72,31 @@ class ChatTemplate:
         self._special_re = re.compile("|".join(map(re.escape, by_length))) if by_length else None
         self._special_id_of = {t: i for i, t in sorted(special_text.items(), reverse=True)}
 
+    @property
+    def has_tools(self) -> bool:
+        """The template renders a `tools` list itself (else the generic tool prompt is used)."""
+        return "tools" in self.source
+
     def render(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, tools: list | None = None
     ) -> tuple[str, list[str | int] | None]:
         """The prompt text, and the same prompt as runs: text runs (str, possibly empty, the first one at the very
         start) and special-token ids (int) exactly where the template wrote special-token text; content is always
         inside a text run. Runs are None when the template transforms content past recognition: encode the whole
         text then (refused with ValueError if a message holds special-token text). Bad messages raise ValueError."""
         messages = self.checked_messages(messages)
+        extra = {} if tools is None else {"tools": tools}
+        if self._special_re is not None:  # tools and calls are template text here: no special tokens in them
+            for n, m in enumerate(messages):
+                if m.get("tool_calls") and self._special_re.search(
+                    json.dumps(m["tool_calls"], ensure_ascii=False)
+                ):
+                    raise ValueError(f"messages[{n}].tool_calls must not contain special-token text")
+            if tools and self._special_re.search(json.dumps(tools, ensure_ascii=False)):
+                raise ValueError("tools must not contain special-token text")
         contents = [m["content"] for m in messages]
-        text = self._render(messages, add_generation_prompt)
-        parts = self._content_parts(messages, contents, text, add_generation_prompt)
+        text = self._render(messages, add_generation_prompt, extra)
+        parts = self._content_parts(messages, contents, text, add_generation_prompt, extra)
         if parts is not None:
             return text, self._runs(parts)
         if self._special_re is not None and any(self._special_re.search(c) for c in contents):
@@ -116,24 +130,34 @@ class ChatTemplate:
             checked.append(dict(message))
         return checked
 
-    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, extra: dict) -> str:
         if self._compiled is None:
             self._compiled = compile_chat_template(self.source)
         try:
             return self._compiled.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._template_tokens
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **self._template_tokens,
+                **extra,
             )
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template: {e}") from e
 
     def _content_parts(
-        self, messages: list[dict[str, Any]], contents: list[str], text: str, add_generation_prompt: bool
+        self,
+        messages: list[dict[str, Any]],
+        contents: list[str],
+        text: str,
+        add_generation_prompt: bool,
+        extra: dict,
     ) -> list[tuple[str, bool]] | None:
         """`text` cut into (piece, is_content) pieces, found by rendering again with each content replaced by a
         sentinel. Templates that trim content are followed; None if the two renders cannot be aligned."""
         nonce = secrets.token_hex(8)
         marked = [{**m, "content": f"@@tpuserve-{nonce}-{n}@@"} for n, m in enumerate(messages)]
-        pieces = re.split(f"@@tpuserve-{nonce}-([0-9]+)@@", self._render(marked, add_generation_prompt))
+        pieces = re.split(
+            f"@@tpuserve-{nonce}-([0-9]+)@@", self._render(marked, add_generation_prompt, extra)
+        )
         if not text.startswith(pieces[0]):
             return None
         parts = [(pieces[0], False)]
@@ -161,3 +185,51 @@ class ChatTemplate:
                 pos = m.end()
             runs[-1] += piece[pos:]
         return runs
+
+
+# The generic tool prompt, for templates without a tools section (SmolLM2's among them): the tools go into the
+# system turn, calls are written (and expected back) as Hermes-style <tool_call> lines, and tool results come
+# back as a user turn. Everything here is message content: plain text, never special tokens.
+TOOL_SYSTEM_PROMPT = """You can call functions. Each function, with a JSON Schema of its arguments:
+{tools}
+
+To call functions, answer with one line per call and nothing else:
+<tool_call>{{"name": "<function name>", "arguments": {{<the arguments as a JSON object>}}}}</tool_call>
+Results come back inside <tool_response></tool_response>. Otherwise answer normally."""
+
+
+def _call_line(call: Mapping[str, Any]) -> str:
+    function = call.get("function", call)
+    body = {"name": function.get("name"), "arguments": function.get("arguments")}
+    return f"<tool_call>{json.dumps(body, ensure_ascii=False)}</tool_call>"
+
+
+def generic_tool_messages(messages: Sequence[Mapping[str, Any]], tools: list | None) -> list[dict[str, Any]]:
+    """Messages with tools, tool calls and tool results turned into plain turns (system, assistant, user) that
+    any chat template renders: the generic tool prompt."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        role, content = m.get("role"), m.get("content") or ""
+        if role == "assistant" and m.get("tool_calls"):
+            lines = [content] if content else []
+            out.append(
+                {"role": "assistant", "content": "\n".join(lines + [_call_line(c) for c in m["tool_calls"]])}
+            )
+        elif role == "tool":
+            result = f"<tool_response>\n{content}\n</tool_response>"
+            if out and out[-1].get("tool_results"):  # consecutive results: one user turn
+                out[-1]["content"] += "\n" + result
+            else:
+                out.append({"role": "user", "content": result, "tool_results": True})
+        else:
+            out.append({"role": role, "content": content})
+    for m in out:
+        m.pop("tool_results", None)
+    if tools:
+        listing = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+        prompt = TOOL_SYSTEM_PROMPT.format(tools=listing)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out

@@ -14,7 +14,7 @@ from typing import Any
 
 import tokenizers
 from tokenizers import pre_tokenizers
-from tpuserve.model.chat_template import ChatTemplate
+from tpuserve.model.chat_template import ChatTemplate, generic_tool_messages
 
 
 class Tokenizer:
@@ -122,14 +122,25 @@ class Tokenizer:
     # ---- chat -------------------------------------------------------------------------------------------------
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list | None = None,
     ) -> tuple[str, list[int]]:
         """The chat template's prompt text and its ids. Only the template's own markers become special tokens;
         every message's `content` is tokenized as plain text. BOS is prepended if the tokenizer adds one and the
-        template did not already write it. Bad messages raise ValueError."""
+        template did not already write it. Bad messages raise ValueError.
+
+        `tools` (OpenAI's function tools) and messages with `tool_calls` / role "tool": rendered by the template
+        when it has a tools section, else turned into plain turns by the generic tool prompt."""
         if self._chat is None:
             raise ValueError(f"{self.source}: the tokenizer has no chat template")
-        text, runs = self._chat.render(messages, add_generation_prompt)
+        uses_tools = tools or any(
+            isinstance(m, Mapping) and (m.get("tool_calls") or m.get("role") == "tool") for m in messages
+        )
+        if uses_tools and not self._chat.has_tools:
+            messages, tools = generic_tool_messages(messages, tools), None
+        text, runs = self._chat.render(messages, add_generation_prompt, tools or None)
         ids = self.encode(text, add_special_tokens=False) if runs is None else self._encode_runs(runs)
         if self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids = [self.bos_id, *ids]
