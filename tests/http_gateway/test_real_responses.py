@@ -3,16 +3,22 @@
 1. The included logprobs equal the chat endpoint's for the same conversation, token for token (both are one chat
    request to the same engine); the streamed events build exactly the plain Response.
 2. The official SDK, plain and streamed, and `max_output_tokens` making the Response incomplete.
+3. `text.format` json_schema through the SDK's `parse`, and a forced function call (a named `tool_choice`):
+   the backend's grammar, not this tiny model, makes the output valid; enums keep it short.
 
 Generation is on CPU here: few requests, small max_output_tokens.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from typing import Literal
 
 import httpx
+import jsonschema
 import openai
+import pydantic
 import pytest
 from gateway_checks import strict_json
 from gateway_harness import GatewayServer
@@ -94,3 +100,61 @@ def test_sdk_create_and_stream_cut_by_max_output_tokens(real) -> None:
     assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == events[-1].response.output_text == r.output_text
+
+
+class Capital(pydantic.BaseModel):
+    country: Literal["France", "Germany", "Italy"]
+    capital: Literal["Paris", "Berlin", "Rome"]
+
+
+# A closed schema (enums, no other keys): the grammar ends the call well inside max_output_tokens.
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "London", "Tokyo"]}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+
+
+def test_sdk_parse_with_a_json_schema_text_format(real) -> None:
+    url, model, _ = real
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    r = client.responses.parse(
+        model=model,
+        input="What is the capital of France? Answer in JSON.",
+        text_format=Capital,
+        temperature=0,
+        max_output_tokens=32,
+    )
+    assert r.status == "completed", r.output_text
+    assert isinstance(r.output_parsed, Capital) and r.output_parsed == Capital.model_validate_json(
+        r.output_text
+    )
+
+
+def test_a_forced_function_call_is_a_function_call_item(real) -> None:
+    _, model, http = real
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather in a city.",
+        "parameters": WEATHER_PARAMETERS,
+    }
+    req = {
+        "model": model,
+        "input": "What is the weather like in Paris?",
+        "tools": [tool],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "temperature": 0,
+        "max_output_tokens": 32,
+    }
+    plain = _post(http, RESPONSES, req)
+    validate(plain, "Response")
+    check_response(plain)
+    [call] = plain["output"]
+    assert (
+        plain["status"] == "completed" and call["type"] == "function_call" and call["name"] == "get_weather"
+    )
+    jsonschema.validate(json.loads(call["arguments"]), WEATHER_PARAMETERS)
+    final, _ = streamed(http, req)
+    same_response(final, plain)
