@@ -7,6 +7,8 @@ reaches past them does a bisection over the whole vocabulary run (under `lax.con
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -103,8 +105,11 @@ def sample(
     top_p,
     top_k,
     min_p,
+    mask: Callable[[], jax.Array] | None = None,
 ) -> jax.Array:
     """Token ids [B]: greedy where temperature == 0, else a draw from the processed distribution.
+
+    mask: the logits with disallowed tokens at -inf (structured outputs), built only when something is drawn.
 
     keys: [B, 2] raw PRNG keys of each slot's seed; positions: [B] the position the sampled token will take, so a
     seeded request samples the same tokens in any slot, next to any other requests. An all-greedy batch skips the
@@ -112,7 +117,7 @@ def sample(
     """
 
     def draw(_):
-        proc = processed_logits(logits, temperature, top_p, top_k, min_p)
+        proc = processed_logits(logits if mask is None else mask(), temperature, top_p, top_k, min_p)
         step_keys = jax.vmap(jax.random.fold_in)(keys, positions)
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], jnp.float32))(step_keys)
         return jnp.argmax(proc + gumbel, axis=-1).astype(jnp.int32)
