@@ -22,7 +22,7 @@ from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 request_log = logging.getLogger("tpuserve.gateway.requests")
 
 _PROBES = ("/health", "/metrics")
-_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics")
 
 
 @dataclass(frozen=True)

@@ -41,13 +41,13 @@ def completion(gw, **kw) -> dict:
         ({"logprobs": "yes"}, "logprobs"),
         ({"stream": "true"}, "stream"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].tool_call_id"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             "messages[0].content[0].type",
         ),
-        ({"response_format": {"type": "json_object"}}, "response_format.type"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"model": 3}, "model"),
     ],
 )
@@ -86,7 +86,7 @@ def test_missing_required_fields_are_400(gateway, path) -> None:
 @pytest.mark.parametrize(
     ("path", "field"),
     [
-        (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+        (CHAT, {"web_search_options": {}}),
         (CHAT, {"functions": [{"name": "f"}]}),
         (CHAT, {"modalities": ["text"]}),
         (CHAT, {"not_a_field": 1}),
