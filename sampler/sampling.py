@@ -1,7 +1,9 @@
 """On-device sampling and logprobs. All per-slot parameters are traced arrays ([B]), never static.
 
-Sampling is the Gumbel-max trick over the (filtered) scaled logits: exact categorical sampling in O(V) with no
-vocabulary sort. Top-k / top-p thresholds come from the 256 most likely tokens; only when some slot's nucleus
+Sampling inverts the cumulative distribution of the (filtered) scaled logits with one uniform number per row: exact
+categorical sampling in O(V) with no vocabulary sort, in two levels (blocks of 256 tokens, then within the block).
+Gumbel-max, which it replaced, needs V random numbers a row: 200 ms of threefry for 64 x 49,152 on XLA:CPU, against
+11 ms for this (in-process, the same run). Top-k / top-p thresholds come from the 256 most likely tokens; only when some slot's nucleus
 reaches past them does a bisection over the whole vocabulary run (under `lax.cond`).
 """
 
@@ -119,8 +121,38 @@ def sample(
     def draw(_):
         proc = processed_logits(logits if mask is None else mask(), temperature, top_p, top_k, min_p)
         step_keys = jax.vmap(jax.random.fold_in)(keys, positions)
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], jnp.float32))(step_keys)
-        return jnp.argmax(proc + gumbel, axis=-1).astype(jnp.int32)
+        u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(step_keys)
+        return inverse_cdf(proc, u)
 
     sampled = jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy_ids, None)
     return jnp.where(temperature > 0, sampled, greedy_ids)
+
+
+SAMPLE_BLOCK = 256
+
+
+def _last_positive(x: jax.Array) -> jax.Array:
+    """Index of the last entry > 0 along the last axis (0 if none)."""
+    n = x.shape[-1]
+    return n - 1 - jnp.argmax(x[..., ::-1] > 0, axis=-1).astype(jnp.int32)
+
+
+def inverse_cdf(scaled: jax.Array, u: jax.Array) -> jax.Array:
+    """Token ids [B] drawn from softmax(scaled) ([B, V], -inf = excluded) with uniforms u ([B], in [0, 1)): the
+    first token whose cumulative (unnormalised) mass exceeds u x the total. Block sums first, then the cumulative
+    mass inside the chosen block; every reduction is over one row, so a row's draw never depends on the others.
+    Rounding can never pick an excluded token: both levels stop at the last one with mass."""
+    B, V = scaled.shape
+    blocks = -(-V // SAMPLE_BLOCK)
+    p = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
+    p = jnp.pad(p, ((0, 0), (0, blocks * SAMPLE_BLOCK - V))).reshape(B, blocks, SAMPLE_BLOCK)
+    sums = p.sum(axis=-1)
+    cum = jnp.cumsum(sums, axis=-1)
+    target = u * cum[:, -1]
+    blk = jnp.minimum(jnp.sum(cum <= target[:, None], axis=-1).astype(jnp.int32), _last_positive(sums))
+    before = jnp.where(
+        blk > 0, jnp.take_along_axis(cum, jnp.maximum(blk - 1, 0)[:, None], axis=-1)[:, 0], 0.0
+    )
+    row = jnp.take_along_axis(p, blk[:, None, None], axis=1)[:, 0]
+    inside = jnp.sum(jnp.cumsum(row, axis=-1) <= (target - before)[:, None], axis=-1).astype(jnp.int32)
+    return blk * SAMPLE_BLOCK + jnp.minimum(inside, _last_positive(row))
