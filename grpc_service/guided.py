@@ -56,6 +56,7 @@ class _Vocabulary:
         ]
         self.special_token_ids = sorted(special_ids)
         self.eos_token_id = eos_ids[0] if eos_ids else None
+        self.eos_ids = list(eos_ids)
         self.bos_token_id = bos_id
         self._encode = encode_plain
 
@@ -91,30 +92,20 @@ class Constraint:
 class Grammars:
     """The server's llguidance tokenizer (built once, ~0.2 s) and the compiler of request grammars."""
 
-    def __init__(
-        self,
-        token_bytes: Sequence[bytes],
-        special_text: Callable[[int], str],
-        special_ids: frozenset[int],
-        eos_ids: Sequence[int],
-        bos_id: int | None,
-        encode_plain: Callable[[str], list[int]],
-        vocab_size: int,
-    ) -> None:
+    def __init__(self, vocabulary: _Vocabulary, vocab_size: int) -> None:
         """`vocab_size`: the model's (its logits' width; may exceed the tokenizer's table)."""
-        vocab = _Vocabulary(token_bytes, special_text, special_ids, eos_ids, bos_id, encode_plain)
-        eos = list(eos_ids) or None
-        self.tokenizer = llguidance.LLTokenizer(
-            llguidance.TokenizerWrapper(vocab), n_vocab=vocab_size, eos_token=eos
-        )
+        eos = vocabulary.eos_ids or None  # every EOS id ends a finished grammar
+        wrapper = llguidance.TokenizerWrapper(vocabulary)
+        self.tokenizer = llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=eos)
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, vocab_size: int) -> Grammars:
         """From the server's `tpuserve.model.tokenizer.Tokenizer`."""
-        return cls(tokenizer.token_bytes, tokenizer.token_text, tokenizer.special_ids, tokenizer.eos_ids,
-                   tokenizer.bos_id, tokenizer.encode_plain, vocab_size)  # fmt: skip
+        vocabulary = _Vocabulary(tokenizer.token_bytes, tokenizer.token_text, tokenizer.special_ids,
+                                 tokenizer.eos_ids, tokenizer.bos_id, tokenizer.encode_plain)  # fmt: skip
+        return cls(vocabulary, vocab_size)
 
     def compile(self, guided: pb.GuidedDecoding) -> str:
         """The request's grammar (llguidance's serialized form), checked; GuidedError names the field."""
