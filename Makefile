@@ -29,7 +29,7 @@ serve: $(VENV)/.installed
 	$(VENV)/bin/tpuserve serve --port $(PORT) --grpc-port $(GRPC_PORT) $(ARGS)
 
 test: $(TVENV)/.installed
-	$(TVENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(TVENV)/bin/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 bench: $(TVENV)/.installed
 	$(TVENV)/bin/python -m bench.run $(ARGS)
