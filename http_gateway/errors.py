@@ -52,6 +52,11 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
     return APIError(400, message, "invalid_request_error", param, code)
 
 
+def missing_parameter(param: str) -> APIError:
+    """400 for a required field left out, in OpenAI's wording."""
+    return invalid_request(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
+
+
 def unsupported(param: str, detail: str = "") -> APIError:
     extra = f" {detail}" if detail else ""
     return invalid_request(

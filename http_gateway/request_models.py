@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from tpuserve.http_gateway import tools as fn_tools
-from tpuserve.http_gateway.errors import invalid_request, unsupported
+from tpuserve.http_gateway.errors import invalid_request, missing_parameter, unsupported
 from tpuserve.http_gateway.structured import ResponseFormat
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -77,11 +77,7 @@ class ChatMessage(_Strict):
 
     def check(self, where: str) -> None:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise invalid_request(
-                f"Missing required parameter: '{where}.content'.",
-                f"{where}.content",
-                "missing_required_parameter",
-            )
+            raise missing_parameter(f"{where}.content")
         if self.tool_calls is not None and self.role != "assistant":
             raise _not_for_role(where, "tool_calls", "assistant")
         for k, call in enumerate(self.tool_calls or []):
@@ -92,11 +88,7 @@ class ChatMessage(_Strict):
                 raise invalid_request(f"Invalid '{param}': not valid JSON.", param, "invalid_value") from None
         if self.role == "tool":
             if self.tool_call_id is None:
-                raise invalid_request(
-                    f"Missing required parameter: '{where}.tool_call_id'.",
-                    f"{where}.tool_call_id",
-                    "missing_required_parameter",
-                )
+                raise missing_parameter(f"{where}.tool_call_id")
         else:
             for name in ("tool_call_id", "name"):
                 if getattr(self, name) is not None:

@@ -6,7 +6,7 @@ import json
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
-from tpuserve.http_gateway.errors import APIError, invalid_request
+from tpuserve.http_gateway.errors import APIError, invalid_request, missing_parameter
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -94,5 +94,5 @@ def validation_error(e: ValidationError) -> APIError:
     if best["type"] == "extra_forbidden":
         return invalid_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
     if best["type"] == "missing":
-        return invalid_request(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
+        return missing_parameter(param)
     return invalid_request(f"Invalid value for '{param}': {best['msg']}.", param or None, "invalid_value")

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 from pydantic_core import PydanticCustomError
 from tpuserve.http_gateway import structured
 from tpuserve.http_gateway import tools as fn_tools
-from tpuserve.http_gateway.errors import invalid_request, unsupported
+from tpuserve.http_gateway.errors import invalid_request, missing_parameter, unsupported
 from tpuserve.http_gateway.request_models import INT32_MAX, CacheSalt, Seed, Temperature, TopP
 from tpuserve.http_gateway.response_models import OpenAIObject, TokenLogprob
 
@@ -225,11 +225,7 @@ class ResponsesTextFormat(_Strict):
         if self.type == "json_schema":
             for name, value in (("name", self.name), ("schema", self.schema_)):
                 if value is None:
-                    raise invalid_request(
-                        f"Missing required parameter: '{param}.{name}'.",
-                        f"{param}.{name}",
-                        "missing_required_parameter",
-                    )
+                    raise missing_parameter(f"{param}.{name}")
             assert self.name is not None
             structured.check_format_name(self.name, f"{param}.name")
             return

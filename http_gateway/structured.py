@@ -18,7 +18,7 @@ import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from tpuserve.http_gateway.errors import APIError, invalid_request
+from tpuserve.http_gateway.errors import APIError, invalid_request, missing_parameter
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 
 # The spec's rule for `json_schema.name` and function names: a-z, A-Z, 0-9, underscores and dashes, at most 64.
@@ -53,11 +53,7 @@ class ResponseFormat(_Strict):
         """400 naming the field for what the types cannot hold (json_schema's object on the wrong type)."""
         if self.type == "json_schema":
             if self.json_schema is None:
-                raise invalid_request(
-                    f"Missing required parameter: '{param}.json_schema'.",
-                    f"{param}.json_schema",
-                    "missing_required_parameter",
-                )
+                raise missing_parameter(f"{param}.json_schema")
             check_format_name(self.json_schema.name, f"{param}.json_schema.name")
         elif self.json_schema is not None:
             raise invalid_request(

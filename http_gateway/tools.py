@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
-from tpuserve.http_gateway.errors import invalid_request, unsupported
+from tpuserve.http_gateway.errors import invalid_request, missing_parameter, unsupported
 from tpuserve.http_gateway.structured import check_format_name, check_schema_depth, guided_json_schema
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 
@@ -98,11 +98,7 @@ def chat_functions(tools: Sequence[ChatTool], param: str = "tools") -> list[Func
                 "unknown_parameter",
             )
         if tool.function is None:
-            raise invalid_request(
-                f"Missing required parameter: '{where}.function'.",
-                f"{where}.function",
-                "missing_required_parameter",
-            )
+            raise missing_parameter(f"{where}.function")
         f = tool.function
         specs.append(FunctionSpec(f.name, f.description, f.parameters))
     return specs
