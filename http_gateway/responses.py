@@ -24,7 +24,6 @@ held back as chat holds it; the calls come at the end: output_item.added, functi
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -35,7 +34,6 @@ from tpuserve.http_gateway.backends import BackendPool, GenerateStream
 from tpuserve.http_gateway.chat import ShownTokens
 from tpuserve.http_gateway.errors import APIError, invalid_request
 from tpuserve.http_gateway.logprobs import chat_entry
-from tpuserve.http_gateway.observability import on_stream_error
 from tpuserve.http_gateway.response_models import TokenLogprob
 from tpuserve.http_gateway.responses_models import (
     ContentPartEvent,
@@ -63,9 +61,8 @@ from tpuserve.http_gateway.responses_models import (
     TextDoneEvent,
 )
 from tpuserve.http_gateway.samples import collect, messages
+from tpuserve.http_gateway.sse import stream_failure
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
-
-log = logging.getLogger(__name__)
 
 _ROLES = {"developer": "system"}  # OpenAI's newer name for the system turn
 FORMAT_PARAM = "text.format"
@@ -349,20 +346,8 @@ async def _events(stream: GenerateStream, turn: _Turn) -> AsyncIterator[str]:
     try:
         async for frame in _StreamedTurn(turn, seq).events(stream):
             yield frame
-    except APIError as e:
-        on_stream_error(e.code)
-        yield seq.frame(_error_event(seq.number(), e))
-    except Exception:
-        log.exception("error while streaming a response")
-        on_stream_error("internal_error")
-        err = APIError(
-            500,
-            "The server had an error while processing your request.",
-            "server_error",
-            None,
-            "internal_error",
-        )
-        yield seq.frame(_error_event(seq.number(), err))
+    except Exception as exc:  # noqa: BLE001 - any failure becomes an error event (stream_failure logs it)
+        yield seq.frame(_error_event(seq.number(), stream_failure(exc)))
 
 
 def _error_event(number: int, e: APIError) -> ErrorEvent:

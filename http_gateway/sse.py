@@ -14,24 +14,25 @@ log = logging.getLogger(__name__)
 DONE = "data: [DONE]\n\n"
 
 
+def stream_failure(exc: Exception) -> APIError:
+    """The error to send when a stream fails after its response started: an APIError as it is, anything else
+    logged and sent as a 500 `internal_error`; either way counted in the metrics."""
+    if isinstance(exc, APIError):
+        on_stream_error(exc.code)
+        return exc
+    log.error("error while streaming", exc_info=exc)
+    on_stream_error("internal_error")
+    return APIError(
+        500, "The server had an error while processing your request.", "server_error", None, "internal_error"
+    )
+
+
 async def sse_stream(payloads: AsyncIterator[str]) -> AsyncIterator[str]:
     """Frame JSON payloads as events. A failure after the response started is sent as an OpenAI error event
     (the SDKs raise it), then the stream ends with [DONE]."""
     try:
         async for payload in payloads:
             yield f"data: {payload}\n\n"
-    except APIError as e:
-        on_stream_error(e.code)
-        yield f"data: {json.dumps(e.body())}\n\n"
-    except Exception:
-        log.exception("error while streaming")
-        on_stream_error("internal_error")
-        err = APIError(
-            500,
-            "The server had an error while processing your request.",
-            "server_error",
-            None,
-            "internal_error",
-        )
-        yield f"data: {json.dumps(err.body())}\n\n"
+    except Exception as exc:  # noqa: BLE001 - any failure becomes an error event (stream_failure logs it)
+        yield f"data: {json.dumps(stream_failure(exc).body())}\n\n"
     yield DONE
