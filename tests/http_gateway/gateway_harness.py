@@ -6,7 +6,9 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
+import httpx
 import uvicorn
 from tpuserve.http_gateway.app import create_app
 
@@ -62,3 +64,13 @@ def sse_json(text: str) -> list[dict]:
     assert events and events[-1] == "[DONE]", events[-3:]
     assert events.count("[DONE]") == 1
     return [json.loads(e) for e in events[:-1]]
+
+
+def real_gateway(backend_address: str, timeout: float = 120) -> Iterator[tuple[str, str, httpx.Client]]:
+    """(base url, model id, client) of a gateway whose only backend is the real one; the files that test real
+    generation make it their module-scoped `real` fixture."""
+    server = GatewayServer([backend_address]).start()
+    with httpx.Client(base_url=server.url, timeout=timeout) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        yield server.url, model, http
+    server.stop()

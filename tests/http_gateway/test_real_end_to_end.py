@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gateway_harness import GatewayServer
+from gateway_harness import real_gateway
 
 from tests.helpers import require_extra
 
@@ -46,11 +46,7 @@ PAIRS = [("The capital of France is", " Paris"), ("Two plus two equals", " four"
 @pytest.fixture(scope="module")
 def real(real_backend_address) -> Iterator[tuple[str, str, httpx.Client]]:
     """(base url, model id, client) of a gateway whose only backend is the real one."""
-    server = GatewayServer([real_backend_address]).start()
-    with httpx.Client(base_url=server.url, timeout=120) as http:
-        model = http.get("/v1/models").json()["data"][0]["id"]
-        yield server.url, model, http
-    server.stop()
+    yield from real_gateway(real_backend_address)
 
 
 @pytest.fixture(scope="module")
@@ -303,7 +299,11 @@ def test_special_alternative_has_null_bytes_and_the_sdk_parses_it(real) -> None:
     url, model, _ = real
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     entries = []
-    for question in ("Reply with one word: yes or no?", "Say OK.", "What is 2+2? Reply with the number only."):
+    for question in (
+        "Reply with one word: yes or no?",
+        "Say OK.",
+        "What is 2+2? Reply with the number only.",
+    ):
         out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
                                              max_tokens=8, temperature=0, logprobs=True, top_logprobs=20)  # fmt: skip
         entries += out.choices[0].logprobs.content
@@ -407,7 +407,9 @@ def test_prefix_cache_shows_only_in_cached_tokens(real, real_backend) -> None:
     engine = real_backend.engine
     assert engine.prefix_cache_stats() is not None, "the shared test engine runs with its prefix cache on"
     block = engine.prefill_chunk
-    content = "Summarize in one sentence why caching the keys and values of a shared prompt prefix saves time. " * 2
+    content = (
+        "Summarize in one sentence why caching the keys and values of a shared prompt prefix saves time. " * 2
+    )
 
     def ask(salt: str) -> dict:
         return _post(http, "/v1/chat/completions", {
@@ -429,7 +431,10 @@ def test_prefix_cache_echo_scoring_of_a_prompt_list_is_bit_identical(real) -> No
     may hit the blocks of the one before it in the list. Every prompt logprob, top alternative included, equals
     the same prompt scored alone and cold (its own salt)."""
     _, model, http = real
-    context = "The lighthouse keeper wrote in his log every evening, noting the wind and the ships that passed. " * 3
+    context = (
+        "The lighthouse keeper wrote in his log every evening, noting the wind and the ships that passed. "
+        * 3
+    )
     prompts = [context + ending for ending in (" Then he slept.", " Then he sailed away at dawn.")]
 
     def score(prompt, salt: str) -> dict:
@@ -438,7 +443,9 @@ def test_prefix_cache_echo_scoring_of_a_prompt_list_is_bit_identical(real) -> No
 
     salt = f"real-e2e-echo-{os.getpid()}"
     together = score(prompts, salt)
-    assert together["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the second hit the first's blocks
+    assert (
+        together["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    )  # the second hit the first's blocks
     for i, prompt in enumerate(prompts):
         alone = score(prompt, f"{salt}-alone-{i}")
         assert alone["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}

@@ -21,7 +21,7 @@ import openai
 import pydantic
 import pytest
 from gateway_checks import strict_json
-from gateway_harness import GatewayServer
+from gateway_harness import real_gateway
 from test_gateway_responses import LOGPROBS, RESPONSES, check_response, same_response, streamed, validate
 
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -30,11 +30,7 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 @pytest.fixture(scope="module")
 def real(real_backend_address) -> Iterator[tuple[str, str, httpx.Client]]:
     """(base url, model id, client) of a gateway whose only backend is the real one."""
-    server = GatewayServer([real_backend_address]).start()
-    with httpx.Client(base_url=server.url, timeout=120) as http:
-        model = http.get("/v1/models").json()["data"][0]["id"]
-        yield server.url, model, http
-    server.stop()
+    yield from real_gateway(real_backend_address)
 
 
 def _post(http: httpx.Client, path: str, body: dict) -> dict:

@@ -18,7 +18,7 @@ import httpx
 import jsonschema
 import pydantic
 import pytest
-from gateway_harness import GatewayServer, sse_json
+from gateway_harness import real_gateway, sse_json
 
 from tests.helpers import require_extra
 
@@ -59,11 +59,7 @@ CALL_TOKENS = 32  # {"name": "GetWeather", "arguments": {"city": "Tokyo", "unit"
 @pytest.fixture(scope="module")
 def real(real_backend_address) -> Iterator[tuple[str, str, httpx.Client]]:
     """(base url, model id, client) of a gateway whose only backend is the real one."""
-    server = GatewayServer([real_backend_address]).start()
-    with httpx.Client(base_url=server.url, timeout=300) as http:
-        model = http.get("/v1/models").json()["data"][0]["id"]
-        yield server.url, model, http
-    server.stop()
+    yield from real_gateway(real_backend_address, timeout=300)
 
 
 def _post(http: httpx.Client, body: dict) -> dict:
