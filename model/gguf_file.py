@@ -1,4 +1,5 @@
-"""GGUF files: metadata, config and dequantized weights via the `gguf` package."""
+"""GGUF files: metadata, config and weights via the `gguf` package: dequantized to float at load (the default
+for non-GGUF sources, `quantization: none`), or kept in their blocks (`keep`, see tpuserve.model.quant)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.quants import Q4_K, dequantize
 from tpuserve.model.config import ModelConfig, ModelLoadError, config_from_gguf_fields
 from tpuserve.model.progress import LoadProgress
+from tpuserve.model.quant import QuantizedMatrix, pack4, permute_out
 from tpuserve.model.weights_stack import LayerStacker
 
 _LAYER_MAP = {
@@ -37,7 +39,9 @@ def open_gguf(path: pathlib.Path) -> GGUFReader:
     try:
         return GGUFReader(str(path))
     except Exception as e:  # the gguf package raises ValueError, numpy errors, struct errors, ...
-        raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from None
+        raise ModelLoadError(
+            f"{path}: not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}"
+        ) from None
 
 
 def read_fields(reader: GGUFReader) -> dict[str, Any]:
@@ -48,7 +52,10 @@ def read_fields(reader: GGUFReader) -> dict[str, Any]:
 def gguf_config(reader: GGUFReader, fields: dict[str, Any], path: pathlib.Path) -> ModelConfig:
     names = {t.name for t in reader.tensors}
     return config_from_gguf_fields(
-        fields, str(path), has_output_weight="output.weight" in names, has_qkv_bias="blk.0.attn_q.bias" in names
+        fields,
+        str(path),
+        has_output_weight="output.weight" in names,
+        has_qkv_bias="blk.0.attn_q.bias" in names,
     )
 
 
@@ -66,28 +73,118 @@ def tensor_array(tensor: Any, path: pathlib.Path) -> np.ndarray:
     try:
         arr = dequantize(tensor.data, qtype)
     except NotImplementedError as e:
-        raise ModelLoadError(f"{path}: tensor {tensor.name} uses quantization {qtype.name}, unsupported: {e}") from None
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name} uses quantization {qtype.name}, unsupported: {e}"
+        ) from None
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
     if arr.size != int(np.prod(shape)):
         raise ModelLoadError(f"{path}: tensor {tensor.name} holds {arr.size} values, expected shape {shape}")
     return np.asarray(arr, dtype=np.float32).reshape(shape)
 
 
+_T = GGMLQuantizationType
+KEEP_TYPES = (_T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q4_K, _T.Q6_K)  # matrices `keep` serves from their blocks
+_FLOAT_TYPES = (_T.F32, _T.F16, _T.BF16)  # read as float arrays in every mode
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """A float16 field at byte `start` of each block -> float32 [n_blocks, 1]."""
+    return blocks[:, start : start + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _unit_values(blocks: np.ndarray, qtype: GGMLQuantizationType, patch: dict[int, bytes]) -> np.ndarray:
+    """The blocks' integer values, read by the gguf package's own dequantizer over a copy of the blocks whose
+    scale fields (`patch`: byte offset -> bytes) make every scale one and every minimum zero."""
+    unit = blocks.copy()
+    for start, raw in patch.items():
+        unit[:, start : start + len(raw)] = np.frombuffer(raw, np.uint8)
+    return dequantize(unit, qtype)
+
+
+_ONE, _ZERO = np.float16(1).tobytes(), np.float16(0).tobytes()
+
+
+def tensor_quantized(tensor: Any, path: pathlib.Path) -> QuantizedMatrix:
+    """One Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrix as a QuantizedMatrix whose dequantized weights equal
+    `tensor_array`'s bit for bit (tests/model/test_quant.py)."""
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    rows, cols = (int(d) for d in reversed(tensor.shape))
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = np.asarray(tensor.data).reshape(-1, type_size)
+    if blocks.shape[0] * block_size != rows * cols:
+        raise ModelLoadError(f"{path}: tensor {tensor.name} holds {blocks.shape[0]} {qtype.name} blocks, "
+                             f"expected shape {(rows, cols)}")  # fmt: skip
+    offset = None
+    if qtype == _T.Q8_0:
+        q, scale, group, bits = blocks[:, 2:].copy().view(np.int8), _f16(blocks, 0), 32, 8
+    elif qtype == _T.Q4_0:  # d * (q - 8) = d * q + (-8 d), every term exact
+        q = _unit_values(blocks, qtype, {0: _ONE}) + 8
+        scale, group, bits = _f16(blocks, 0), 32, 4
+        offset = -8 * scale
+    elif qtype == _T.Q4_1:  # d * q + m
+        q = _unit_values(blocks, qtype, {0: _ONE, 2: _ZERO})
+        scale, offset, group, bits = _f16(blocks, 0), _f16(blocks, 2), 32, 4
+    elif qtype == _T.Q4_K:  # per 32: (d * sc) * q - dmin * m
+        sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
+        unit_scales = bytes([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1])  # every sc 1, every m 0
+        q = _unit_values(blocks, qtype, {0: _ONE, 2: _ZERO, 4: unit_scales})
+        scale = _f16(blocks, 0) * sc.astype(np.float32)
+        offset = -(_f16(blocks, 2) * mn.astype(np.float32))
+        group, bits = 32, 4
+    elif qtype == _T.Q6_K:  # per 16: (d * sc) * (q - 32)
+        sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
+        q = _unit_values(blocks, qtype, {192: bytes([1] * 16), 208: _ONE})
+        scale, group, bits = _f16(blocks, 208) * sc, 16, 8
+    else:
+        raise ModelLoadError(f"{path}: tensor {tensor.name}: {qtype.name} blocks cannot be kept")
+    q = np.asarray(q).reshape(rows, cols)
+    q = pack4(q) if bits == 4 else q.astype(np.int8)
+    per_row = cols // group
+    scale = scale.astype(np.float32).reshape(rows, per_row)
+    if offset is not None:
+        offset = offset.astype(np.float32).reshape(rows, per_row)
+    return QuantizedMatrix(q=q, scale=scale, offset=offset, bits=bits, group=group, kind=qtype.name)
+
+
+def check_keep(reader: GGUFReader, path: pathlib.Path) -> None:
+    """`keep` serves matrices from Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks (and float tensors as floats): any other type
+    is refused before anything is loaded, naming the tensor and its type."""
+    for tensor in reader.tensors:
+        qtype = GGMLQuantizationType(tensor.tensor_type)
+        if qtype in _FLOAT_TYPES or tensor.name in _SKIPPED:
+            continue
+        if qtype not in KEEP_TYPES or len(tensor.shape) != 2:
+            kept = ", ".join(t.name for t in KEEP_TYPES + _FLOAT_TYPES)
+            raise ModelLoadError(
+                f"{path}: quantization 'keep' cannot serve tensor {tensor.name} of type {qtype.name} "
+                f"(it keeps {kept}); use quantization 'none' to dequantize it at load"
+            )
+
+
 def load_gguf_weights(
-    reader: GGUFReader, cfg: ModelConfig, path: pathlib.Path, cast: Callable[[str, np.ndarray], object]
+    reader: GGUFReader,
+    cfg: ModelConfig,
+    path: pathlib.Path,
+    cast: Callable[[str, Any], object],
+    keep: bool = False,
 ) -> dict[str, object]:
+    """Every tensor, stacked and cast: dequantized to float32 first, or (`keep`) its quantized blocks as a
+    QuantizedMatrix."""
+    if keep:
+        check_keep(reader, path)
     stacker = LayerStacker(cfg, cast)
     with LoadProgress(f"loading {path.name}", total=len(reader.tensors)) as bar:
         for tensor in reader.tensors:
             if tensor.name not in _SKIPPED:
-                _add_tensor(stacker, tensor, cfg, path)
+                _add_tensor(stacker, tensor, cfg, path, keep)
             bar.update()
     return stacker.finish(str(path))
 
 
-def _add_tensor(stacker: LayerStacker, tensor: Any, cfg: ModelConfig, path: pathlib.Path) -> None:
+def _add_tensor(stacker: LayerStacker, tensor: Any, cfg: ModelConfig, path: pathlib.Path, keep: bool) -> None:
     name = tensor.name
-    arr = tensor_array(tensor, path)
+    quantized = keep and GGMLQuantizationType(tensor.tensor_type) in KEEP_TYPES
+    arr = tensor_quantized(tensor, path) if quantized else tensor_array(tensor, path)
     permute = cfg.architecture in ("llama", "mistral")  # llama.cpp permutes q/k only for these
     if name.startswith("blk."):
         _, idx, rest = name.split(".", 2)
@@ -95,9 +192,9 @@ def _add_tensor(stacker: LayerStacker, tensor: Any, cfg: ModelConfig, path: path
         if ours is None:
             raise ModelLoadError(f"{path}: unexpected tensor {name}")
         if permute and ours in ("wq", "bq"):
-            arr = unpermute_qk(arr, cfg.num_heads)
+            arr = permute_out(arr, lambda a: unpermute_qk(a, cfg.num_heads))
         elif permute and ours in ("wk", "bk"):
-            arr = unpermute_qk(arr, cfg.num_kv_heads)
+            arr = permute_out(arr, lambda a: unpermute_qk(a, cfg.num_kv_heads))
         stacker.add_layer(int(idx), ours, arr)  # [out, in], as llama.Llama keeps it
     elif name in _TOP_MAP:
         stacker.add_top(_TOP_MAP[name], arr)

