@@ -63,6 +63,13 @@ def _parser() -> argparse.ArgumentParser:
         "--model", default=None, help="GGUF file, HF directory or Orbax checkpoint (default: embedded)"
     )
     p.add_argument(
+        "--quantization",
+        default=None,
+        choices=("none", "keep", "int8"),
+        help="weights in memory: none, keep (a GGUF's quantized blocks) or int8 (per channel); "
+        "default: the source's",
+    )
+    p.add_argument(
         "--config",
         default=None,
         help="YAML config (configs/*.yaml): engine:/server: sections, gateway: section",
@@ -95,6 +102,8 @@ def _backend_argv(args: argparse.Namespace, server: ServerSettings) -> list[str]
     argv = ["--host", server.host, "--port", str(server.port)]
     if args.model:
         argv += ["--model", args.model]
+    if args.quantization:
+        argv += ["--quantization", args.quantization]
     if args.config:
         argv += ["--config", args.config]
     argv += ["--metrics-port", str(server.metrics_port)]  # on the gRPC host

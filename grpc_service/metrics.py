@@ -74,6 +74,11 @@ class _StateCollector:
             value=float(getattr(engine, "kv_cache_bytes", 0) or 0),
         )
         yield GaugeMetricFamily(
+            "tpuserve_backend_weight_bytes",
+            "Device bytes of the model's weights as the programs hold them (quantized matrices as stored).",
+            value=float(getattr(engine, "weight_bytes", 0) or 0),
+        )
+        yield GaugeMetricFamily(
             "tpuserve_backend_kv_cache_positions",
             "KV-cache positions: slots x max sequence length.",
             value=slots * int(engine.max_seq_len),

@@ -325,4 +325,6 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             max_n=self.limits.max_n,
             created=self.created,
             readiness=self.readiness,
+            weight_bytes=int(getattr(engine, "weight_bytes", 0) or 0),
+            quantization=str(getattr(engine, "quantization", "") or ""),
         )

@@ -16,7 +16,15 @@ from typing import TypeVar
 import grpc
 from tpuserve.sampler.config import EngineConfig
 
-ENGINE_FLAGS = ("model", "max_queue", "max_n", "max_prompt_tokens", "max_queue_wait", "compilation_cache_dir")
+ENGINE_FLAGS = (
+    "model",
+    "quantization",
+    "max_queue",
+    "max_n",
+    "max_prompt_tokens",
+    "max_queue_wait",
+    "compilation_cache_dir",
+)
 
 T = TypeVar("T")
 
@@ -73,6 +81,13 @@ def parser(prog: str = "python -m tpuserve.grpc_service") -> argparse.ArgumentPa
     p.add_argument("--host", default=None, help="default 0.0.0.0")
     p.add_argument("--port", type=int, default=None, help="default 50051")
     p.add_argument("--model", default=None, help="GGUF file, HF model directory or Orbax checkpoint")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=("none", "keep", "int8"),
+        help="weights in memory: none (all in dtype), keep (a GGUF's quantized blocks), int8 (per channel); "
+        "default: the source's (GGUF: see README)",
+    )
     p.add_argument(
         "--max-queue", type=int, default=None, help="requests waiting for a slot (then RESOURCE_EXHAUSTED)"
     )

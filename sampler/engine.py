@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tpuserve.model.llama import cache_bytes
 from tpuserve.model.loader import LoadedModel
+from tpuserve.model.quant import tree_nbytes
 from tpuserve.model.sharding import DEFAULT_RULES, ShardingRules, cache_sharding
 from tpuserve.sampler.api import (
     MAX_TOP_LOGPROBS,
@@ -129,15 +130,17 @@ class JaxEngine(Engine):
         work = steps_per_call * self.batch_buckets[0]
         self.call_steps = {b: max(floor, work // b) for b in self.batch_buckets}
         module = loaded.module(scan_layers=scan_layers, mesh=mesh)
+        self.quantization = loaded.quantization
+        self.weight_bytes = tree_nbytes(nnx.state(module, nnx.Param))  # as the programs hold them
         self.graphdef, self.params = nnx.split(module)  # split once; programs merge inside jit
-        dtype = jnp.dtype(cache_dtype) if cache_dtype else module.embed.value.dtype
+        dtype = jnp.dtype(cache_dtype) if cache_dtype else module.dtype
         self.cache_dtype = dtype
         self.kv_cache_bytes = cache_bytes(loaded.config, slots, max_seq_len, dtype)
         self.mesh = mesh
         self.state = self._place(init_decode_state(loaded.config, slots, max_seq_len, dtype))
         cfg = ProgramConfig(K=MAX_TOP_LOGPROBS, chunk=self.prefill_chunk,
                             max_seq_len=max_seq_len, processed_logprobs=processed_logprobs)  # fmt: skip
-        self.prefix_dtype = module.embed.value.dtype
+        self.prefix_dtype = module.dtype
         self.programs = build_programs(
             self.graphdef, cfg, self.config, self.prefix_dtype, self._prefix_sharding()
         )
