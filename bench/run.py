@@ -12,6 +12,7 @@ Every row shows the measurement, the baseline's, their ratio, the target and PAS
 measured says "not run" or "error", never PASS. Row groups (`--only`, comma-separated; default all):
   single, many, ttft, ttft_load, logprobs   see bench/rows.py
   prefix     the prefix cache on vs off (two servers of their own): see bench/prefix.py
+  quant      the GGUF's quantized blocks kept vs dequantized at load (two servers of their own): bench/quant.py
   compiles   tpuserve_backend_xla_compiles_total (the backend's /metrics, GRPC_PORT + 1) before the first
              request and after the last: target 0 new compiles after warm-up
   engine     DIAGNOSTIC: the engine in this process, no gRPC/HTTP (bench/engine_diag.py)
@@ -40,7 +41,7 @@ from bench import clients, rows, servers, workload
 from bench.hf import TORCH_THREADS
 from bench.table import FAILED, Row, Target, count_row, judged, markdown, not_run, write_json
 
-ALL = ["single", "ttft", "many", "logprobs", "ttft_load", "compiles", "startup", "prefix", "engine"]
+ALL = ["single", "ttft", "many", "logprobs", "ttft_load", "compiles", "startup", "prefix", "quant", "engine"]
 LLAMA_GROUPS = {"single", "ttft", "many", "ttft_load"}
 
 
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     raw: dict = {}
     start = time.perf_counter()
     out: list[Row] = []
-    if set(groups) - {"engine", "startup", "prefix"}:
+    if set(groups) - {"engine", "startup", "prefix", "quant"}:
         out += measure_http(args, plan, groups, gguf, workdir, meta, raw)
     if "startup" in groups:
         out.append(startup_row(args, workdir, raw))
@@ -233,7 +234,19 @@ def main(argv: list[str] | None = None) -> int:
             out += prefix_rows(args.config, workdir, plan.reps, raw, external=bool(args.tpuserve_url))
         except Exception as e:  # noqa: BLE001 -- reported as the row's result
             traceback.print_exc()
-            out.append(Row("prefix", "prefix: failed", "—", "—", None, "", FAILED, f"{type(e).__name__}: {e}"))
+            out.append(
+                Row("prefix", "prefix: failed", "—", "—", None, "", FAILED, f"{type(e).__name__}: {e}")
+            )
+    if "quant" in groups:
+        from bench.quant import quant_rows
+
+        try:
+            out += quant_rows(
+                args.config, workdir, plan.reps, args.quick, raw, external=bool(args.tpuserve_url)
+            )
+        except Exception as e:  # noqa: BLE001 -- reported as the row's result
+            traceback.print_exc()
+            out.append(Row("quant", "quant: failed", "—", "—", None, "", FAILED, f"{type(e).__name__}: {e}"))
     if "engine" in groups:
         from bench.engine_diag import engine_rows
 

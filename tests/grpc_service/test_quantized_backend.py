@@ -5,6 +5,7 @@ ModelInfo and in /metrics, and the CLI flag that selects the mode."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
@@ -12,7 +13,7 @@ from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 from tests.conftest import ENGINE_SETTINGS
 from tests.grpc_service.conftest import ServerThread, generate
 from tests.grpc_service.test_backend_observability import scrape
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -21,18 +22,18 @@ def kept_backend(embedded) -> Iterator[ServerThread]:
     from tpuserve.sampler.engine import JaxEngine
 
     loaded = load_model(quantization="keep")
-    engine = JaxEngine(loaded, **{**ENGINE_SETTINGS, "slots": 8})  # programs compile on first use
+    engine = JaxEngine(loaded, **{**ENGINE_SETTINGS, "slots": 16})  # programs compile on first use
     server = ServerThread(engine, loaded.tokenizer, model_id=loaded.model_id, metrics_port=free_port())
     yield server
     server.close()
 
 
-def _tokens(stub, text: str) -> list[pb.Token]:
+def _tokens(stub, text: str, max_tokens: int = 10) -> list[pb.Token]:
     responses = generate(
         stub,
         text=text,
         sampling=pb.SamplingParams(temperature=0.0),
-        stopping=pb.StoppingCriteria(max_tokens=10, ignore_eos=True),
+        stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True),
         logprobs=pb.LogprobOptions(enabled=True, top_logprobs=5),
         timeout=300,
     )
@@ -46,6 +47,21 @@ def test_kept_blocks_serve_the_dequantized_models_tokens_and_logprobs(kept_backe
         for a, b in zip(kept, dense, strict=True):
             assert abs(a.logprob - b.logprob) <= 1e-5
             assert [x.token_id for x in a.top_logprobs] == [x.token_id for x in b.top_logprobs]
+
+
+def test_kept_blocks_are_batch_invariant(kept_backend) -> None:
+    """Dequantizing inside the programs keeps decode batch-invariant: the same greedy request alone (the 8-row
+    bucket) and beside 9 running streams (it sits in slot 9: the 16-row bucket) gives the same bits."""
+    alone = _tokens(kept_backend.stub, "Once upon a time")
+    with ThreadPoolExecutor(9) as pool:
+        others = [pool.submit(_tokens, kept_backend.stub, f"Story {i}:", 40) for i in range(9)]
+        assert wait_until(lambda: kept_backend.orchestrator.free_slots <= 16 - 9, timeout=120)
+        crowded = _tokens(kept_backend.stub, "Once upon a time")
+        assert all(len(f.result()) == 40 for f in others)
+    assert [(t.token_id, t.logprob) for t in crowded] == [(t.token_id, t.logprob) for t in alone]
+    assert [[(x.token_id, x.logprob) for x in t.top_logprobs] for t in crowded] == [
+        [(x.token_id, x.logprob) for x in t.top_logprobs] for t in alone
+    ]
 
 
 def test_weight_bytes_in_model_info_and_metrics(kept_backend, real_backend) -> None:

@@ -117,7 +117,9 @@ def test_keep_mixed_types_equals_dequantized_model(tmp_path: pathlib.Path, scan_
     ids = list(range(3, 40))
     ref, got = logprobs(dense, ids, scan_layers), logprobs(kept, ids, scan_layers)
     assert np.isfinite(ref).all()
-    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+    # Equal weights; inside one jitted program XLA may sum these small products in another order (logits reach
+    # ~160 here: 2e-4 is a relative 1e-6). The embedded model's are bit-identical (test below).
+    np.testing.assert_allclose(got, ref, atol=5e-4, rtol=0)
 
 
 def test_keep_refuses_an_unsupported_gguf_type(tmp_path: pathlib.Path) -> None:
