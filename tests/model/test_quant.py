@@ -186,7 +186,7 @@ def test_keep_programs_hold_no_fp32_copy_of_the_weights(embedded_keep) -> None:
     )
     temp = compiled.memory_analysis().temp_size_in_bytes
     print(f"decode step scratch {temp / 2**20:.1f} MiB vs fp32 weights {fp32_bytes / 2**20:.1f} MiB")
-    assert temp < 0.3 * fp32_bytes
+    assert temp < 0.05 * fp32_bytes  # measured 13.6 of 513 MiB (the tied embedding in 9 MiB chunks)
 
 
 def test_int8_convert_embedded_drift(embedded, tmp_path: pathlib.Path) -> None:
