@@ -6,7 +6,7 @@ GRPC_PORT ?= 50051
 VENV := .venv
 TVENV := .venv-test
 
-.PHONY: serve test bench soak proto lint install install-test clean
+.PHONY: serve test bench bench-device soak proto lint install install-test clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ test: $(TVENV)/.installed
 
 bench: $(TVENV)/.installed
 	$(TVENV)/bin/python -m bench.run $(ARGS)
+
+# Issue 13's device check (bench/device.py; one GPU, <= 8 min): the test venv's Python where there is one, else
+# $(PYTHON) with jax etc. already installed (the device machine: tpuserve need not be installed). ARGS="--smoke".
+bench-device:
+	$(if $(wildcard $(TVENV)/bin/python),$(TVENV)/bin/python,$(PYTHON)) -m bench.device $(ARGS)
 
 # 256 streaming clients x 60 s against the real backend + gateway processes (ARGS="--clients 16 --duration 10").
 soak: $(TVENV)/.installed
