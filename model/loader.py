@@ -60,8 +60,11 @@ def resolve_path(path: str | pathlib.Path | None) -> pathlib.Path:
 
 
 def model_id_for(path: pathlib.Path) -> str:
-    if path == default_model_path():
-        return EMBEDDED_MODEL_ID
+    try:
+        if path == default_model_path():
+            return EMBEDDED_MODEL_ID
+    except FileNotFoundError:  # the embedded model is not installed: any other path is still loadable
+        pass
     return path.stem if path.is_file() else path.name
 
 
