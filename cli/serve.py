@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from tpuserve.cli import backend as backend_command
 from tpuserve.cli import gateway as gateway_command
 from tpuserve.cli import settings
-from tpuserve.grpc_service.settings import ServerSettings
+from tpuserve.grpc_service.settings import ServerSettings, add_quantization_flag
 from tpuserve.http_gateway.settings import GatewaySettings
 
 log = logging.getLogger("tpuserve.serve")
@@ -62,13 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default=None, help="GGUF file, HF directory or Orbax checkpoint (default: embedded)"
     )
-    p.add_argument(
-        "--quantization",
-        default=None,
-        choices=("none", "keep", "int8"),
-        help="weights in memory: none, keep (a GGUF's quantized blocks) or int8 (per channel); "
-        "default: the source's",
-    )
+    add_quantization_flag(p)
     p.add_argument(
         "--config",
         default=None,

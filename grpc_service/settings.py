@@ -75,12 +75,8 @@ class ServerSettings:
         return ServerTLS(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
 
 
-def parser(prog: str = "python -m tpuserve.grpc_service") -> argparse.ArgumentParser:
-    """The backend's flags (`dest` = the field's name, None when not given): the server's and ENGINE_FLAGS."""
-    p = argparse.ArgumentParser(prog=prog, description="Serve a model over gRPC (tpuserve.v1).")
-    p.add_argument("--host", default=None, help="default 0.0.0.0")
-    p.add_argument("--port", type=int, default=None, help="default 50051")
-    p.add_argument("--model", default=None, help="GGUF file, HF model directory or Orbax checkpoint")
+def add_quantization_flag(p: argparse.ArgumentParser) -> None:
+    """--quantization (engine.quantization), here and on `tpuserve serve`, which hands it to the backend."""
     p.add_argument(
         "--quantization",
         default=None,
@@ -88,6 +84,15 @@ def parser(prog: str = "python -m tpuserve.grpc_service") -> argparse.ArgumentPa
         help="weights in memory: none (all in dtype), keep (a GGUF's quantized blocks), int8 (per channel); "
         "default: the source's (GGUF: see README)",
     )
+
+
+def parser(prog: str = "python -m tpuserve.grpc_service") -> argparse.ArgumentParser:
+    """The backend's flags (`dest` = the field's name, None when not given): the server's and ENGINE_FLAGS."""
+    p = argparse.ArgumentParser(prog=prog, description="Serve a model over gRPC (tpuserve.v1).")
+    p.add_argument("--host", default=None, help="default 0.0.0.0")
+    p.add_argument("--port", type=int, default=None, help="default 50051")
+    p.add_argument("--model", default=None, help="GGUF file, HF model directory or Orbax checkpoint")
+    add_quantization_flag(p)
     p.add_argument(
         "--max-queue", type=int, default=None, help="requests waiting for a slot (then RESOURCE_EXHAUSTED)"
     )

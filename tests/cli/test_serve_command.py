@@ -140,3 +140,16 @@ def test_serve_plan_rejects_bad_settings_of_either_process_before_starting_anyth
         with pytest.raises(SystemExit):
             plan(["--config", write_yaml(tmp_path, data)])
         assert message in capsys.readouterr().err
+
+
+def test_serve_hands_quantization_to_the_backend():
+    from tpuserve.cli.backend import parse_args
+    from tpuserve.cli.serve import plan
+
+    backend, _ = plan(["--quantization", "keep"])
+    assert flag(backend, "--quantization") == "keep"
+    assert (
+        parse_args(backend[backend.index("grpc") + 1 :])[1].quantization == "keep"
+    )  # what the backend reads
+    backend, _ = plan([])
+    assert "--quantization" not in backend

@@ -136,13 +136,15 @@ def test_keep_refuses_an_unsupported_gguf_type(tmp_path: pathlib.Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def embedded_keep():
-    return load_model(quantization="keep")
+def embedded_dense():
+    return load_model(quantization="none")
 
 
-def test_keep_embedded_logprobs_match_transformers(embedded, embedded_keep, hf_reference) -> None:
-    """The GGUF is the model: its blocks served as they are give transformers' logprobs on the same file (as the
-    dequantized model does), in 0.3x the bytes."""
+def test_keep_embedded_logprobs_match_transformers(embedded, embedded_dense, hf_reference) -> None:
+    """The GGUF is the model: its blocks served as they are (the default for a GGUF) give transformers' logprobs on
+    the same file, bit-identical to the model dequantized at load, in 0.3x the bytes."""
+    embedded_keep = embedded
+    assert embedded_keep.quantization == "keep"
     from tests.helpers import require_extra
 
     torch = require_extra("torch")
@@ -152,8 +154,8 @@ def test_keep_embedded_logprobs_match_transformers(embedded, embedded_keep, hf_r
         ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1).numpy()
     ours = teacher_forced(embedded_keep, ids)
     diff = np.abs(ours - ref).max()
-    dense_diff = np.abs(ours - teacher_forced(embedded, ids)).max()
-    ratio = embedded_keep.weight_bytes / embedded.weight_bytes
+    dense_diff = np.abs(ours - teacher_forced(embedded_dense, ids)).max()
+    ratio = embedded_keep.weight_bytes / embedded_dense.weight_bytes
     print(f"keep: max |logprob diff| vs transformers {diff:.2e}, vs dequantized {dense_diff:.2e}; "
           f"weights {embedded_keep.weight_bytes / 2**20:.1f} MiB = {ratio:.3f}x fp32")  # fmt: skip
     assert diff < 2e-4
@@ -161,11 +163,12 @@ def test_keep_embedded_logprobs_match_transformers(embedded, embedded_keep, hf_r
     assert ratio <= 0.3
 
 
-def test_keep_programs_hold_no_fp32_copy_of_the_weights(embedded_keep) -> None:
+def test_keep_programs_hold_no_fp32_copy_of_the_weights(embedded) -> None:
     """Dequantization happens inside the program, a layer (and the tied embedding) at a time: the compiled
     decode step's scratch memory is far below the weights' fp32 size."""
     from flax import nnx
 
+    embedded_keep = embedded
     m = embedded_keep.module()
     graphdef, state = nnx.split(m)
     B = 8
@@ -189,7 +192,7 @@ def test_keep_programs_hold_no_fp32_copy_of_the_weights(embedded_keep) -> None:
     assert temp < 0.05 * fp32_bytes  # measured 13.6 of 513 MiB (the tied embedding in 9 MiB chunks)
 
 
-def test_int8_convert_embedded_drift(embedded, tmp_path: pathlib.Path) -> None:
+def test_int8_convert_embedded_drift(embedded_dense, tmp_path: pathlib.Path) -> None:
     """`tpuserve convert --quantization int8` on the embedded model: an Orbax checkpoint of int8 matrices that
     loads as int8 (0.25x fp32 bytes) and whose logprobs drift from the unquantized model's by a measured amount."""
     from tpuserve.cli.main import main as cli_main
@@ -198,9 +201,9 @@ def test_int8_convert_embedded_drift(embedded, tmp_path: pathlib.Path) -> None:
     assert cli_main(["convert", "embedded", str(dst), "--quantization", "int8"]) == 0
     q = load_model(dst)
     assert q.quantization == "int8" and is_quantized(q.params["w_down"]) and q.params["w_down"].kind == "int8"
-    assert q.weight_bytes < 0.27 * embedded.weight_bytes
-    ids = embedded.tokenizer.encode(TEXT)
-    ref, got = teacher_forced(embedded, ids), teacher_forced(q, ids)
+    assert q.weight_bytes < 0.27 * embedded_dense.weight_bytes
+    ids = embedded_dense.tokenizer.encode(TEXT)
+    ref, got = teacher_forced(embedded_dense, ids), teacher_forced(q, ids)
     chosen = np.arange(len(ids) - 1), np.asarray(ids[1:])
     tf = np.abs(got[:-1][chosen] - ref[:-1][chosen])
     kl = (np.exp(ref) * (ref - got)).sum(-1)

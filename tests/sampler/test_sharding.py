@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from tpuserve.model.convert_cli import main as convert_main
 from tpuserve.model.loader import load_model
+from tpuserve.model.quant import is_quantized
 from tpuserve.model.sharding import make_mesh, param_shardings
 from tpuserve.sampler.api import SlotParams
 from tpuserve.sampler.engine import JaxEngine
@@ -27,8 +28,10 @@ def orbax_dir(tmp_path_factory):
 def test_convert_writes_a_loadable_checkpoint(orbax_dir, embedded, capsys):
     loaded = load_model(orbax_dir)
     assert loaded.config == embedded.config and loaded.model_id == embedded.model_id
-    for name, arr in embedded.params.items():
-        np.testing.assert_array_equal(np.asarray(loaded.params[name]), np.asarray(arr), err_msg=name)
+    assert loaded.quantization == "none" and embedded.quantization == "keep"  # convert writes fp32 by default
+    for name, arr in embedded.params.items():  # the kept blocks dequantize to exactly the converted weights
+        dense = arr.dequantize() if is_quantized(arr) else arr
+        np.testing.assert_array_equal(np.asarray(loaded.params[name]), np.asarray(dense), err_msg=name)
     text = "Tokenizer round trip: 😀 世界 <|im_end|>"
     assert loaded.tokenizer.encode(text) == embedded.tokenizer.encode(text)
     assert loaded.tokenizer.token_bytes == embedded.tokenizer.token_bytes
@@ -44,7 +47,13 @@ def test_sharded_engine_matches_one_device(orbax_dir, embedded):
     assert len(sharded.params["wq"].sharding.device_set) == 4
     assert sharded.params["w_gate"].sharding.spec[1] == "model"  # [L, I, H]: the MLP axis over the model axis
     # same shapes on both sides; prefix-cache blocks of 32 tokens
-    settings = {"slots": 4, "max_seq_len": 128, "steps_per_call": 4, "prefill_chunk": 32, "min_prefill_bucket": 32}
+    settings = {
+        "slots": 4,
+        "max_seq_len": 128,
+        "steps_per_call": 4,
+        "prefill_chunk": 32,
+        "min_prefill_bucket": 32,
+    }
     tp_engine = JaxEngine(sharded, mesh=mesh, **settings)
     engine = JaxEngine(embedded, **settings)
     assert tp_engine.state.cache.k.sharding.spec[1] == "data"  # slots over the data axis
@@ -59,6 +68,7 @@ def test_sharded_engine_matches_one_device(orbax_dir, embedded):
         # target was 1e-5; see README.
         assert np.abs(np.array(tp[1][1]) - np.array(one[0][1])).max() < 5e-5
         assert np.abs(np.stack(tp[1][3]) - np.stack(one[0][3])).max() < 5e-5
+
     # the prefix cache on the mesh: its pool is split like the KV cache, and a warm prompt (its first blocks
     # loaded from the pool) gives the same tokens and logprobs as a cold one
     def kv_heads_axis(array):  # a spec may leave trailing unsplit axes out
@@ -76,3 +86,28 @@ def test_sharded_engine_matches_one_device(orbax_dir, embedded):
     assert warm[0][0] == cold[0][0] and warm[0][1] == cold[0][1]
     np.testing.assert_array_equal(warm_prompt.logprobs, cold_prompt.logprobs)
     np.testing.assert_array_equal(warm_prompt.top_logprobs, cold_prompt.top_logprobs)
+
+
+def test_kept_blocks_shard_like_their_matrices(embedded):
+    """The embedded GGUF's quantized blocks (the default) on a 2x2 mesh: each field of a kept matrix is split by
+    the matrix's axes, and greedy decoding matches one device."""
+    mesh = make_mesh(model_parallel=2, data_parallel=2)
+    sharded = load_model(mesh=mesh)
+    assert sharded.quantization == "keep"
+    w_gate = sharded.params["w_gate"]  # [L, I, H]: values, scales and offsets split over I
+    assert all(a.sharding.spec[1] == "model" for a in (w_gate.q, w_gate.scale, w_gate.offset))
+    settings = {
+        "slots": 4,
+        "max_seq_len": 128,
+        "steps_per_call": 4,
+        "prefill_chunk": 32,
+        "min_prefill_bucket": 32,
+    }
+    tp_engine = JaxEngine(sharded, mesh=mesh, **settings)
+    engine = JaxEngine(embedded, **settings)
+    ids = embedded.tokenizer.encode(PROMPTS[0])
+    params = SlotParams(max_tokens=8, temperature=0.0)
+    one, _ = run_engine(engine, [(0, ids, params)])
+    tp, _ = run_engine(tp_engine, [(1, ids, params)])
+    assert tp[1][0] == one[0][0]
+    assert np.abs(np.array(tp[1][1]) - np.array(one[0][1])).max() < 5e-5
