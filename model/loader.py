@@ -82,7 +82,7 @@ def resolve_quantization(requested: str | None, path: pathlib.Path, stored: str 
         return DEFAULT_GGUF_QUANTIZATION if is_gguf else stored
     if requested == "keep" and not is_gguf:
         holds = (
-            f"an Orbax checkpoint of {stored_dtype_name(stored)} weights"
+            f"an Orbax checkpoint of {'int8' if stored == 'int8' else 'float'} weights"
             if checkpoint.is_checkpoint(path)
             else f"{_safetensors_dtype(path)} tensors"
         )
@@ -92,10 +92,6 @@ def resolve_quantization(requested: str | None, path: pathlib.Path, stored: str 
         raise ModelLoadError(f"{path}: quantization {requested!r} cannot load this checkpoint: it holds int8 weights "
                              "(written with --quantization int8); use 'int8', or convert the source again")  # fmt: skip
     return requested
-
-
-def stored_dtype_name(stored: str) -> str:
-    return "int8" if stored == "int8" else "float"
 
 
 def _safetensors_dtype(path: pathlib.Path) -> str:
