@@ -125,3 +125,5 @@ def test_int8_at_load_and_from_convert(hf_model_dir, tmp_path, capsys):
         ModelLoadError, match=r"quantization 'keep' serves a GGUF file's quantized blocks; .*F32"
     ):
         load_model(path, with_tokenizer=False, quantization="keep")
+    with pytest.raises(ModelLoadError, match=r"quantization 'keep' .* an Orbax checkpoint of int8 weights"):
+        load_model(tmp_path / "int8", with_tokenizer=False, quantization="keep")
