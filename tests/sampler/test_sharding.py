@@ -37,7 +37,23 @@ def test_convert_writes_a_loadable_checkpoint(orbax_dir, embedded, capsys):
     assert loaded.tokenizer.token_bytes == embedded.tokenizer.token_bytes
 
 
-def test_sharded_engine_matches_one_device(orbax_dir, embedded):
+# same shapes on both sides of a comparison; prefix-cache blocks of 32 tokens
+SETTINGS = {
+    "slots": 4,
+    "max_seq_len": 128,
+    "steps_per_call": 4,
+    "prefill_chunk": 32,
+    "min_prefill_bucket": 32,
+}
+
+
+@pytest.fixture(scope="module")
+def one_device(embedded):
+    """The one-device engine both mesh tests compare with."""
+    return JaxEngine(embedded, **SETTINGS)
+
+
+def test_sharded_engine_matches_one_device(orbax_dir, embedded, one_device):
     assert len(jax.devices()) >= 4, "tests/conftest.py sets --xla_force_host_platform_device_count=4"
     mesh = make_mesh(model_parallel=2, data_parallel=2)
     sharded = load_model(orbax_dir, mesh=mesh)
@@ -46,16 +62,8 @@ def test_sharded_engine_matches_one_device(orbax_dir, embedded):
         assert arr.sharding.is_equivalent_to(expected[name], arr.ndim), name
     assert len(sharded.params["wq"].sharding.device_set) == 4
     assert sharded.params["w_gate"].sharding.spec[1] == "model"  # [L, I, H]: the MLP axis over the model axis
-    # same shapes on both sides; prefix-cache blocks of 32 tokens
-    settings = {
-        "slots": 4,
-        "max_seq_len": 128,
-        "steps_per_call": 4,
-        "prefill_chunk": 32,
-        "min_prefill_bucket": 32,
-    }
-    tp_engine = JaxEngine(sharded, mesh=mesh, **settings)
-    engine = JaxEngine(embedded, **settings)
+    tp_engine = JaxEngine(sharded, mesh=mesh, **SETTINGS)
+    engine = one_device
     assert tp_engine.state.cache.k.sharding.spec[1] == "data"  # slots over the data axis
     for text in PROMPTS[:2]:
         ids = embedded.tokenizer.encode(text)
@@ -88,7 +96,7 @@ def test_sharded_engine_matches_one_device(orbax_dir, embedded):
     np.testing.assert_array_equal(warm_prompt.top_logprobs, cold_prompt.top_logprobs)
 
 
-def test_kept_blocks_shard_like_their_matrices(embedded):
+def test_kept_blocks_shard_like_their_matrices(embedded, one_device):
     """The embedded GGUF's quantized blocks (the default) on a 2x2 mesh: each field of a kept matrix is split by
     the matrix's axes, and greedy decoding matches one device."""
     mesh = make_mesh(model_parallel=2, data_parallel=2)
@@ -96,15 +104,8 @@ def test_kept_blocks_shard_like_their_matrices(embedded):
     assert sharded.quantization == "keep"
     w_gate = sharded.params["w_gate"]  # [L, I, H]: values, scales and offsets split over I
     assert all(a.sharding.spec[1] == "model" for a in (w_gate.q, w_gate.scale, w_gate.offset))
-    settings = {
-        "slots": 4,
-        "max_seq_len": 128,
-        "steps_per_call": 4,
-        "prefill_chunk": 32,
-        "min_prefill_bucket": 32,
-    }
-    tp_engine = JaxEngine(sharded, mesh=mesh, **settings)
-    engine = JaxEngine(embedded, **settings)
+    tp_engine = JaxEngine(sharded, mesh=mesh, **SETTINGS)
+    engine = one_device
     ids = embedded.tokenizer.encode(PROMPTS[0])
     params = SlotParams(max_tokens=8, temperature=0.0)
     one, _ = run_engine(engine, [(0, ids, params)])
