@@ -19,7 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tpuserve.model.config import ModelConfig, ModelLoadError
 from tpuserve.model.llama import param_shapes
-from tpuserve.model.quant import INT8_PARAMS, QuantizedMatrix, is_quantized
+from tpuserve.model.quant import INT8_PARAMS, int8_matrix, is_quantized
 from tpuserve.model.sharding import field_sharding
 
 MANIFEST = "tpuserve_model.json"
@@ -98,7 +98,6 @@ def restore_params(
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise ModelLoadError(f"{directory / 'params'}: cannot restore the Orbax checkpoint: {e}") from None
     return {
-        name: QuantizedMatrix(v["q"], v["scale"], None, bits=8, group=v["q"].shape[-1], kind="int8",
-                              dtype=np.dtype(dtype)) if isinstance(v, dict) else v
+        name: int8_matrix(v["q"], v["scale"], dtype) if isinstance(v, dict) else v
         for name, v in restored.items()
-    }  # fmt: skip
+    }

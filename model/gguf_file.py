@@ -12,7 +12,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import Q4_K, dequantize
 from tpuserve.model.config import ModelConfig, ModelLoadError, config_from_gguf_fields
 from tpuserve.model.progress import LoadProgress
-from tpuserve.model.quant import QuantizedMatrix, pack4, permute_out
+from tpuserve.model.quant import QuantizedMatrix, map_fields, pack4
 from tpuserve.model.weights_stack import LayerStacker
 
 _LAYER_MAP = {
@@ -192,9 +192,9 @@ def _add_tensor(stacker: LayerStacker, tensor: Any, cfg: ModelConfig, path: path
         if ours is None:
             raise ModelLoadError(f"{path}: unexpected tensor {name}")
         if permute and ours in ("wq", "bq"):
-            arr = permute_out(arr, lambda a: unpermute_qk(a, cfg.num_heads))
+            arr = map_fields(arr, lambda a: unpermute_qk(a, cfg.num_heads))
         elif permute and ours in ("wk", "bk"):
-            arr = permute_out(arr, lambda a: unpermute_qk(a, cfg.num_kv_heads))
+            arr = map_fields(arr, lambda a: unpermute_qk(a, cfg.num_kv_heads))
         stacker.add_layer(int(idx), ours, arr)  # [out, in], as llama.Llama keeps it
     elif name in _TOP_MAP:
         stacker.add_top(_TOP_MAP[name], arr)

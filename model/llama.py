@@ -122,7 +122,10 @@ def module_params(cfg: ModelConfig, params: dict[str, jax.Array], scan_layers: b
     if scan_layers:
         out["layers"] = block({n: params[n] for n in layer_names})
     else:
-        out["layers"] = [block({n: quant.index(params[n], i) for n in layer_names}) for i in range(L)]
+        out["layers"] = [
+            block({n: quant.map_fields(params[n], lambda a, i=i: a[i]) for n in layer_names})
+            for i in range(L)
+        ]
     return out
 
 

@@ -68,15 +68,9 @@ class QuantizedMatrix:
         off = None if self.offset is None else fn(self.offset)
         return dataclasses.replace(self, q=fn(self.q), scale=fn(self.scale), offset=off)
 
-    def reshape_out(self, *out: int) -> QuantizedMatrix:
-        """Reshape the leading + `out` axes (the last axis stays)."""
-        return self.map(lambda a: a.reshape(*out, a.shape[-1]))
-
     def values(self) -> jax.Array:
         """The integer values as int8 [*lead, out, in]."""
-        if self.bits == 8:
-            return self.q
-        return unpack4_np(self.q) if isinstance(self.q, np.ndarray) else unpack4(self.q)
+        return self.q if self.bits == 8 else unpack4(self.q)
 
     def dequantize(self, dtype: Any = None) -> jax.Array:
         *lead, out, n = self.shape
@@ -91,14 +85,22 @@ def is_quantized(w: Any) -> bool:
     return isinstance(w, QuantizedMatrix)
 
 
-def unpack4(packed: jax.Array) -> jax.Array:
-    """uint8 [..., n // 2] (two 4-bit values per byte, per block of 32) -> int8 [..., n] in 0..15. Written as one
-    broadcast shift (not a concatenation of the two nibbles) so that XLA fuses it into the dequantization loop:
-    measured on XLA:CPU, the concatenation made a kept 4-bit layer's product 2.8x slower than fp32's."""
+def _xp(*arrays: Any) -> Any:
+    """numpy when every array (a quantized matrix: its values) is a host array, else jax.numpy: the host builds
+    and combines matrices at load, the programs on the device."""
+    return np if all(isinstance(getattr(a, "q", a), np.ndarray) for a in arrays) else jnp
+
+
+def unpack4(packed: Any) -> Any:
+    """uint8 [..., n // 2] (two 4-bit values per byte, per block of 32) -> int8 [..., n] in 0..15; numpy in, numpy
+    out. Written as one broadcast shift (not a concatenation of the two nibbles) so that XLA fuses it into the
+    dequantization loop: measured on XLA:CPU, the concatenation made a kept 4-bit layer's product 2.8x slower
+    than fp32's."""
+    xp = _xp(packed)
     *lead, half = packed.shape
     b = packed.reshape(*lead, half // (PACK // 2), 1, PACK // 2)
-    shifts = jnp.array([0, 4], jnp.uint8).reshape(2, 1)
-    return ((b >> shifts) & 0x0F).reshape(*lead, half * 2).astype(jnp.int8)
+    shifts = xp.array([0, 4], np.uint8).reshape(2, 1)
+    return ((b >> shifts) & 0x0F).reshape(*lead, half * 2).astype(np.int8)
 
 
 def pack4(values: np.ndarray) -> np.ndarray:
@@ -140,7 +142,7 @@ def linear(x: jax.Array, w: Any, out_dtype: Any = None) -> jax.Array:
     if not is_quantized(w):
         y = jnp.einsum("...i,oi->...o", x, w.reshape(rows, n), preferred_element_type=jnp.float32)
     else:
-        flat = w.reshape_out(rows)
+        flat = reshape_out(w, rows)
         chunk = _chunk_rows(rows, n) if jax.default_backend() == "cpu" else rows
         if chunk == rows:
             y = _quantized_product(x, flat)
@@ -183,7 +185,7 @@ def take_rows(w: Any, ids: jax.Array) -> jax.Array:
 def widen(w: QuantizedMatrix, group: int, offset: bool) -> QuantizedMatrix:
     """The same weights (bit-identical when dequantized) stored as int8 values with a smaller `group` (a divisor of
     w.group) and an offset (zeros) if asked: so matrices of different GGUF types can be stacked or fused."""
-    xp = np if isinstance(w.q, np.ndarray) else jnp
+    xp = _xp(w.q)
     rep = w.group // group
     scale = xp.repeat(w.scale, rep, axis=-1)
     off = w.offset
@@ -192,12 +194,6 @@ def widen(w: QuantizedMatrix, group: int, offset: bool) -> QuantizedMatrix:
     elif offset:
         off = xp.zeros_like(scale)
     return dataclasses.replace(w, q=w.values().astype(np.int8), scale=scale, offset=off, bits=8, group=group)
-
-
-def unpack4_np(packed: np.ndarray) -> np.ndarray:
-    *lead, half = packed.shape
-    b = packed.reshape(*lead, half // (PACK // 2), PACK // 2)
-    return np.concatenate([b & 0x0F, b >> 4], axis=-1).reshape(*lead, half * 2).astype(np.int8)
 
 
 def compatible(parts: Sequence[QuantizedMatrix]) -> list[QuantizedMatrix]:
@@ -233,35 +229,25 @@ def combine(parts: Sequence[Any], fn) -> Any:
 
 def stack(parts: Sequence[Any], axis: int = 0) -> Any:
     """Stack matrices along a new leading axis (`axis` counts from the front, before `out`)."""
-    xp = np if all(isinstance(getattr(p, "q", p), np.ndarray) for p in parts) else jnp
+    xp = _xp(*parts)
     return combine(parts, lambda arrs: xp.stack(arrs, axis=axis))
 
 
 def concat_out(parts: Sequence[Any]) -> Any:
     """Concatenate along the `out` axis (the second to last)."""
-    xp = np if all(isinstance(getattr(p, "q", p), np.ndarray) for p in parts) else jnp
+    xp = _xp(*parts)
     return combine(parts, lambda arrs: xp.concatenate(arrs, axis=-2))
 
 
-def reshape_out(w: Any, *out: int) -> Any:
-    if is_quantized(w):
-        return w.reshape_out(*out)
-    return w.reshape(*out, w.shape[-1])
-
-
-def index(w: Any, i: int) -> Any:
-    """w[i] along the leading axis (one layer of a stacked matrix)."""
-    return w.map(lambda a: a[i]) if is_quantized(w) else w[i]
-
-
-def permute_out(w: Any, fn) -> Any:
-    """Apply a permutation of the rows (`out` axis first) to every field: fn(array [out, ...]) -> same shape."""
+def map_fields(w: Any, fn) -> Any:
+    """fn applied to a plain matrix, or to each field of a quantized one (fn must act on the leading and `out`
+    axes only: index a layer, permute rows, reshape, place on a device)."""
     return w.map(fn) if is_quantized(w) else fn(w)
 
 
-def to_device(w: Any, put) -> Any:
-    """put(array) -> device array, applied to each field."""
-    return w.map(put) if is_quantized(w) else put(w)
+def reshape_out(w: Any, *out: int) -> Any:
+    """Reshape the leading + `out` axes (the last axis stays)."""
+    return map_fields(w, lambda a: a.reshape(*out, a.shape[-1]))
 
 
 # -- int8 weight-only, per output channel ---------------------------------------------------------------------
@@ -270,9 +256,14 @@ def to_device(w: Any, put) -> Any:
 def quantize_int8(w: Any) -> QuantizedMatrix:
     """Symmetric int8 per output channel: scale = max |w[o]| / 127, q = round(w / scale). A numpy array stays on
     the host; a jax array is quantized where it lives (e.g. on the device)."""
-    xp = np if isinstance(w, np.ndarray) else jnp
+    xp = _xp(w)
     w = xp.asarray(w, xp.float32)
     amax = xp.abs(w).max(axis=-1, keepdims=True)
     scale = xp.where(amax > 0, amax / 127.0, 1.0).astype(xp.float32)
     q = xp.clip(xp.rint(w / scale), -127, 127).astype(xp.int8)
-    return QuantizedMatrix(q=q, scale=scale, offset=None, bits=8, group=w.shape[-1], kind="int8")
+    return int8_matrix(q, scale)
+
+
+def int8_matrix(q: Any, scale: Any, dtype: Any = np.float32) -> QuantizedMatrix:
+    """int8 values [..., out, in] with one scale per row [..., out, 1] (what int8 checkpoints store)."""
+    return QuantizedMatrix(q, scale, None, bits=8, group=q.shape[-1], kind="int8", dtype=np.dtype(dtype))

@@ -114,6 +114,9 @@ def test_int8_at_load_and_from_convert(hf_model_dir, tmp_path, capsys):
     got = our_logits(at_load, ids)
     np.testing.assert_array_equal(our_logits(restored, ids), got)
     np.testing.assert_array_equal(our_logits(restored, ids, scan_layers=True), our_logits(at_load, ids, True))
+    convert(path, tmp_path / "fp32", with_tokenizer=False)  # an fp32 checkpoint served as int8
+    from_fp32 = load_model(tmp_path / "fp32", with_tokenizer=False, quantization="int8")
+    np.testing.assert_array_equal(our_logits(from_fp32, ids), got)
     ref = np.asarray(jax.nn.log_softmax(our_logits(dense, ids), -1))
     drift = np.abs(np.asarray(jax.nn.log_softmax(got, -1)) - ref).max()
     with capsys.disabled():
