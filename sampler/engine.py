@@ -156,6 +156,8 @@ class JaxEngine(Engine):
         self._constrained = np.zeros(slots, bool)
         self._free_masks = self._place_replicated(np.full((slots, self.mask_words), -1, np.int32))
         self._free_row = np.full(self.mask_words, -1, np.int32)
+        log.info("weights: %s, quantization %s, %.1f MiB in memory", loaded.model_id, self.quantization,
+                 self.weight_bytes / 2**20)  # fmt: skip
         log.info("KV cache: %d slots x %d positions, %s, %.1f MiB", slots, max_seq_len, dtype.name,
                  self.kv_cache_bytes / 2**20)  # fmt: skip
 

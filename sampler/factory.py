@@ -27,8 +27,6 @@ def load_engine(cfg: EngineConfig) -> tuple[JaxEngine, Tokenizer, str]:
     cache = compile_cache.enable(cfg.compilation_cache_dir)
     log.info("compilation cache: %s", cache if cache is not None else "off")
     loaded = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh, quantization=cfg.quantization)
-    log.info("weights: %s, quantization %s, %.1f MiB in memory", loaded.model_id, loaded.quantization,
-             loaded.weight_bytes / 2**20)  # fmt: skip
     engine = JaxEngine(
         loaded,
         slots=cfg.slots,
