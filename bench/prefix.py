@@ -21,7 +21,6 @@ import time
 from typing import Any
 
 import httpx
-import yaml
 
 from bench import clients, servers
 from bench.rows import CHAT, COMPLETIONS, alternate, log, median
@@ -43,18 +42,6 @@ def _text(tag: str, words: int) -> str:
         h = (h * 1103515245 + 12345) % 2**31
         out.append(WORDS[h % len(WORDS)] + ("." if i % 11 == 10 else ""))
     return " ".join(out)
-
-
-def _configs(workdir: pathlib.Path, base: str | None) -> dict[str, str]:
-    """Config files for the two servers: `base`'s settings (or the defaults) with SETTINGS and the cache on/off."""
-    doc: dict[str, Any] = yaml.safe_load(pathlib.Path(base).read_text()) if base else {}
-    out = {}
-    for name, on in (("on", True), ("off", False)):
-        engine = {**(doc.get("engine") or {}), **SETTINGS, "prefix_cache": on}
-        path = workdir / f"prefix-cache-{name}.yaml"
-        path.write_text(yaml.safe_dump({**doc, "engine": engine}))
-        out[name] = str(path)
-    return out
 
 
 async def _post(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -135,7 +122,8 @@ def prefix_rows(config: str | None, workdir: pathlib.Path, reps: int, raw: dict,
             not_run(n, n, Target(">=", 1.0), "needs servers this run starts (not --tpuserve-url)")
             for n in names
         ]
-    paths = _configs(workdir, config)
+    variants = {"on": {**SETTINGS, "prefix_cache": True}, "off": {**SETTINGS, "prefix_cache": False}}
+    paths = servers.config_variants(workdir, config, "prefix-cache", variants)
     with servers.Servers() as pool:
         on = pool.start(servers.tpuserve(workdir, paths["on"], name="tpuserve-prefix-on"))
         off = pool.start(servers.tpuserve(workdir, paths["off"], name="tpuserve-prefix-off"))

@@ -16,26 +16,12 @@ import json
 import pathlib
 from typing import Any
 
-import yaml
-
 from bench import clients, servers
 from bench.rows import COMPLETIONS, alternate, log, median
 from bench.table import FAILED, Row, Target, judged, not_run
 
 MODES = ("keep", "none")
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-
-
-def _configs(workdir: pathlib.Path, base: str | None) -> dict[str, str]:
-    doc: dict[str, Any] = yaml.safe_load(pathlib.Path(base).read_text()) if base else {}
-    out = {}
-    for mode in MODES:
-        path = workdir / f"quantization-{mode}.yaml"
-        path.write_text(
-            yaml.safe_dump({**doc, "engine": {**(doc.get("engine") or {}), "quantization": mode}})
-        )
-        out[mode] = str(path)
-    return out
 
 
 def _bodies(model: str, streams: int, tokens: int, rep: int) -> list[dict[str, Any]]:
@@ -73,7 +59,7 @@ def quant_rows(
             for n in names
         ]
     single_tokens, streams, many_tokens = (16, 8, 8) if quick else (64, 64, 32)
-    paths = _configs(workdir, config)
+    paths = servers.config_variants(workdir, config, "quantization", {m: {"quantization": m} for m in MODES})
     with servers.Servers() as pool:
         sides = {
             m: pool.start(servers.tpuserve(workdir, paths[m], name=f"tpuserve-quant-{m}")) for m in MODES

@@ -16,7 +16,9 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Any, Self
+
+import yaml
 
 from bench import clients
 
@@ -138,6 +140,20 @@ class Server:
     def compiles(self) -> float | None:
         """tpuserve_backend_xla_compiles_total now."""
         return self.metric(COMPILES_METRIC)
+
+
+def config_variants(
+    workdir: pathlib.Path, base: str | None, stem: str, variants: dict[str, dict[str, Any]]
+) -> dict[str, str]:
+    """A config file per variant (name -> the path of `{stem}-{name}.yaml`): `base`'s settings (or the defaults)
+    with the variant's `engine:` keys on top, for paired servers that differ in those keys only."""
+    doc: dict[str, Any] = yaml.safe_load(pathlib.Path(base).read_text()) if base else {}
+    out = {}
+    for name, engine in variants.items():
+        path = workdir / f"{stem}-{name}.yaml"
+        path.write_text(yaml.safe_dump({**doc, "engine": {**(doc.get("engine") or {}), **engine}}))
+        out[name] = str(path)
+    return out
 
 
 def tpuserve(workdir: pathlib.Path, config: str | None, name: str = "tpuserve",
