@@ -26,8 +26,8 @@ from tpuserve.model.quant import INT8_PARAMS, is_quantized, map_fields, quantize
 
 QUANTIZATION_MODES = ("none", "keep", "int8")
 # What a GGUF model is served as when no mode is asked for, chosen by measurement (`make bench --only quant`,
-# README "Quantized weights"): on this 2-core CPU keep is as fast as fp32 (1 stream 0.98x / 0.87x, 64 streams
-# 0.89x / 1.06x in two runs, in-process decode steps 4-6 % faster) in 0.21x the bytes, with the same logprobs.
+# README "Quantized weights"): on this 2-core CPU keep matches fp32 at 64 streams (0.89x / 1.06x in two runs)
+# and leans slower at one (0.98x / 0.87x), in 0.21x the bytes, with the same logprobs.
 DEFAULT_GGUF_QUANTIZATION = "keep"
 
 
