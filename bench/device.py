@@ -4,7 +4,8 @@ check: one Markdown table of ratios to the hardware's limits, <= 8 minutes on on
   fidelity  the embedded SmolLM2-135M GGUF in fp32 through the engine on the device vs the same engine on
             `jax.devices("cpu")`: teacher-forced prompt logprobs (chosen + top-20) of the text of
             tests/model/test_gguf_reference.py, then 32 greedy tokens; max |Δ logprob| <= 1e-4. Once at JAX's
-            default matmul precision (what `tpuserve serve` runs: TF32 products on Hopper), once at "highest".
+            default matmul precision (what `tpuserve serve` runs; the model asks HIGHEST of its fp32 products,
+            quant.precision: without that, Hopper's TF32 gave 4.1e-2), once under "highest" for everything.
   8B        a Llama-3-8B-shaped model, random bf16 weights made on the device (no download), then the same
             weights int8 per channel (tpuserve.model.quant.quantize_int8), through the engine at 1, 16, 64 and
             256 slots, S = 2048: decode tok/s as a fraction of the HBM roofline ((weights + live KV) bytes per
@@ -399,6 +400,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no 8B run after this many seconds (default 420; smoke 300)")  # fmt: skip
     p.add_argument("--json", default=None, metavar="OUT", help="write the rows and the run's settings here")
+    p.add_argument("--rows", choices=("all", "fidelity", "8b"), default="all",
+                   help="run only one group: the GGUF travels in its own call (96 MB, over one call's 64 MiB)")  # fmt: skip
     return p
 
 
@@ -425,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     log(header)
     rows: list[Row] = []
     try:
-        rows += fidelity_rows(args.gguf, plan)
+        rows += fidelity_rows(args.gguf, plan) if args.rows != "8b" else []
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         rows.append(failed("fidelity", "embedded SmolLM2-135M fp32 vs CPU", f"{type(e).__name__}: {e}"))
@@ -433,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     jax.clear_caches()
     cfg = ModelConfig(**plan.shape)
     try:
-        rows += rows_8b(cfg, plan, *run_8b(cfg, plan, started, budget_s))
+        rows += rows_8b(cfg, plan, *run_8b(cfg, plan, started, budget_s)) if args.rows != "fidelity" else []
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         rows.append(failed("decode", "8B-shape rows", f"{type(e).__name__}: {e}"))

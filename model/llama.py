@@ -235,13 +235,13 @@ class Llama(nnx.Module):
             keys = k_cache[li, :B, :, :attend_len]  # [B, Hkv, A, D]: the first B rows (a batch bucket)
             vals = v_cache[li, :B, :, :attend_len]
             qg = q.reshape(B, T, Hkv, G, D)
-            scores = jnp.einsum(
-                "btkgd,bkad->bkgta", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32
-            )
+            scores = jnp.einsum("btkgd,bkad->bkgta", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32,
+                                precision=quant.precision(q.dtype))  # fmt: skip
             scores = scores * (1.0 / np.sqrt(D))
             scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
             probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-            attn = jnp.einsum("bkgta,bkad->btkgd", probs, vals.astype(q.dtype)).reshape(B, T, Hq * D)
+            attn = jnp.einsum("bkgta,bkad->btkgd", probs, vals.astype(q.dtype), precision=quant.precision(q.dtype))
+            attn = attn.reshape(B, T, Hq * D)
             x = x + linear(attn, p["wo"])
             h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
             gate_up = linear(h, p["w_gate_up"])  # [B, T, 2, I]

@@ -3,6 +3,7 @@ model's logprobs; int8 per channel; weight bytes; refusals that name the mode an
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import types
 
@@ -120,6 +121,28 @@ def test_keep_mixed_types_equals_dequantized_model(tmp_path: pathlib.Path, scan_
     # Equal weights; inside one jitted program XLA may sum these small products in another order (logits reach
     # ~160 here: 2e-4 is a relative 1e-6). The embedded model's are bit-identical (test below).
     np.testing.assert_allclose(got, ref, atol=5e-4, rtol=0)
+
+
+def lowered_dots(loaded, T_: int = 8) -> list[str]:
+    """The dot_general lines of the lowered forward pass and logits over T_ tokens."""
+    m = loaded.module()
+    fwd = jax.jit(lambda toks: m.logits(m(toks, jnp.arange(T_)[None], init_cache(loaded.config, 1, T_), T_)[0]))
+    return [line for line in fwd.lower(jnp.zeros((1, T_), jnp.int32)).as_text().splitlines() if "dot_general" in line]
+
+
+def test_fp32_products_ask_for_highest_precision(tmp_path: pathlib.Path) -> None:
+    """Every product of a fp32 model, kept blocks or not, is lowered at HIGHEST precision (quant.precision): JAX's
+    default lets a GPU use TF32 (an H200 moved the embedded model's logprobs by 4.1e-2, bench/device.py) and a
+    TPU bf16 passes. XLA:CPU computes the same either way, so this reads the lowered program; bf16 keeps the
+    default."""
+    path = tmp_path / "mixed.gguf"
+    write_tiny_gguf(path, MIXED)
+    dense = load_model(path, with_tokenizer=False, quantization="none")
+    kept = load_model(path, with_tokenizer=False, quantization="keep")
+    bf16 = dataclasses.replace(dense, params=jax.tree.map(lambda a: a.astype(jnp.bfloat16), dense.params))
+    for loaded, want in ((dense, "[HIGHEST, HIGHEST]"), (kept, "[HIGHEST, HIGHEST]"), (bf16, "[DEFAULT, DEFAULT]")):
+        dots = lowered_dots(loaded)
+        assert len(dots) >= 6 and all(f"precision = {want}" in line for line in dots), dots
 
 
 def test_keep_refuses_an_unsupported_gguf_type(tmp_path: pathlib.Path) -> None:
