@@ -103,7 +103,7 @@ class JaxEngine(Engine):
         prefix_cache_bytes: int | None = None,
         processed_logprobs: bool = False,
         cache_dtype: str | None = None,
-        scan_layers: bool = True,
+        scan_layers: bool | None = None,
         mesh=None,
     ):
         self.config = loaded.config
@@ -129,6 +129,9 @@ class JaxEngine(Engine):
         floor = min(min_steps_per_call, steps_per_call)
         work = steps_per_call * self.batch_buckets[0]
         self.call_steps = {b: max(floor, work // b) for b in self.batch_buckets}
+        if scan_layers is None:  # EngineConfig.scan_layers: unrolled layers decode 2.1x faster on an H200
+            scan_layers = jax.default_backend() == "cpu"
+        self.scan_layers = scan_layers
         module = loaded.module(scan_layers=scan_layers, mesh=mesh)
         self.quantization = loaded.quantization
         self.weight_bytes = tree_nbytes(nnx.state(module, nnx.Param))  # as the programs hold them
