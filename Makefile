@@ -6,7 +6,7 @@ GRPC_PORT ?= 50051
 VENV := .venv
 TVENV := .venv-test
 
-.PHONY: serve test bench bench-device soak proto lint install install-test clean
+.PHONY: serve serve-multihost test bench bench-device soak proto lint install install-test clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,16 @@ $(TVENV)/.installed: pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
-install-test: $(TVENV)/.installed
+install-# The embedded model across 2 local processes x 2 CPU devices (configs/multihost.yaml, model_parallel 4): process 1
+# follows in the background (gRPC health on GRPC_PORT + 2); process 0 serves gRPC on GRPC_PORT and HTTP on PORT.
+COORDINATOR ?= 127.0.0.1:8476
+serve-multihost: $(VENV)/.installed
+	JAX_NUM_CPU_DEVICES=2 $(VENV)/bin/tpuserve grpc --config configs/multihost.yaml --process-id 1 \
+		--coordinator $(COORDINATOR) --host 127.0.0.1 --port $$(($(GRPC_PORT) + 2)) & \
+	JAX_NUM_CPU_DEVICES=2 $(VENV)/bin/tpuserve serve --config configs/multihost.yaml --coordinator $(COORDINATOR) \
+		--port $(PORT) --grpc-port $(GRPC_PORT) $(ARGS); rc=$$?; wait; exit $$rc
+
+test: $(TVENV)/.installed
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/tpuserve serve --port $(PORT) --grpc-port $(GRPC_PORT) $(ARGS)

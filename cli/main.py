@@ -4,6 +4,7 @@ tpuserve serve     [--port 8000] [--grpc-port 50051] [--model PATH] [--config YA
 tpuserve gateway   --backend HOST:PORT [--backend ...] [--port 8000] [--api-key K]    gateway alone
                    [--config configs/gateway.yaml] [--max-body-bytes] [--max-concurrent-requests] [--max-n]
 tpuserve grpc      [--port 50051] [--model PATH] [--config YAML] [--metrics-port N]   backend alone
+                   [--coordinator H:P --num-processes N --process-id I]            one model over N processes
 tpuserve generate  [--model PATH] PROMPT                                              one completion, no server
 tpuserve convert   SRC DST                                                            any model -> Orbax
 """

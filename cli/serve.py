@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 
 from tpuserve.cli import backend as backend_command
@@ -79,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-prompts", action="store_true", help="include prompts in both processes' request logs"
     )
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="a process group's coordinator, for the backend (process 0: `make serve-multihost`)")  # fmt: skip
     return p
 
 
@@ -103,6 +106,8 @@ def _backend_argv(args: argparse.Namespace, server: ServerSettings) -> list[str]
     argv += ["--metrics-port", str(server.metrics_port)]  # on the gRPC host
     if args.log_prompts:
         argv += ["--log-prompts"]
+    if args.coordinator:
+        argv += ["--coordinator", args.coordinator]
     return argv
 
 
@@ -142,19 +147,34 @@ def plan(argv: Sequence[str] | None = None) -> tuple[list[str], GatewaySettings]
 def main(argv: Sequence[str] | None = None) -> int:
     backend_cmd, gateway = plan(argv)
     backend = subprocess.Popen(backend_cmd, preexec_fn=_die_with_parent)  # noqa: PLW1509 (no threads yet)
+    died: list[int] = []  # the backend's exit code, when it exited on its own
+
+    def watch() -> None:  # a backend that exits by itself (a failed process group, a crash) stops the gateway
+        code = backend.wait()
+        if not stopping.is_set():
+            died.append(code)
+            log.error("the backend exited (code %d): stopping the gateway", code)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    stopping = threading.Event()
+    threading.Thread(target=watch, name="backend-watch", daemon=True).start()
     try:
         # uvicorn shuts down gracefully on SIGTERM/SIGINT; the gateway then exits by SystemExit (its handler for
         # the re-raised signal), so `finally` stops the backend. Should this process die first, the backend gets
         # SIGTERM from the kernel (_die_with_parent).
         gateway_command.serve(gateway)
+    except SystemExit:
+        if not died:
+            raise
     finally:
+        stopping.set()
         if backend.poll() is None:
             backend.send_signal(signal.SIGTERM)
             try:
                 backend.wait(60)
             except subprocess.TimeoutExpired:
                 backend.kill()
-    return 0
+    return (died[0] or 1) if died else 0
 
 
 def _die_with_parent() -> None:

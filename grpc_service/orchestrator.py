@@ -36,7 +36,7 @@ from tpuserve.grpc_service.admission import RequestStream, ShuttingDownError, Wa
 from tpuserve.grpc_service.guided import Constraint, Grammars, GuidedError
 from tpuserve.grpc_service.jobs import ErrorEvent, Event, Finish, GenerationJob, PromptEvent
 from tpuserve.grpc_service.sample import SampleTracker
-from tpuserve.sampler.api import Engine, Pending, StepArrays, TokenOut
+from tpuserve.sampler.api import Engine, EngineUnavailable, Pending, StepArrays, TokenOut
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +286,7 @@ class Orchestrator:
             )
         except Exception as exc:
             log.exception("prefill failed for request %s", job.request_id)
-            self._fail(run, f"engine error: {exc}")
+            self._fail(run, f"engine error: {exc}", _code(exc))
             return
         self._prefilling.append(run)
 
@@ -305,7 +305,7 @@ class Orchestrator:
             except Exception as exc:
                 log.exception("prefill failed for request %s", run.stream.job.request_id)
                 self._prefilling.popleft()
-                self._fail(run, f"engine error: {exc}")
+                self._fail(run, f"engine error: {exc}", _code(exc))
                 continue
             if budget is not None:
                 budget -= self.engine.prefill_cost(len(run.stream.job.prompt_ids))
@@ -332,7 +332,7 @@ class Orchestrator:
                 self._firsts.append((run, index, self.engine.start_insert(prefix, slot, params, allowed)))
         except Exception as exc:
             log.exception("insert failed for request %s", job.request_id)
-            self._fail(run, f"engine error: {exc}")
+            self._fail(run, f"engine error: {exc}", _code(exc))
             return
         self._close_if_done(run)
 
@@ -358,7 +358,7 @@ class Orchestrator:
             result = self.engine.start_generate()
         except Exception as exc:
             log.exception("engine.start_generate failed")
-            self._fail_all(f"engine error: {exc}")
+            self._fail_all(f"engine error: {exc}", code=_code(exc))
             return
         self._inflight = _InFlight(result, dict(self._owner), dispatched, steps)
 
@@ -367,7 +367,7 @@ class Orchestrator:
             steps = call.result.result()
         except Exception as exc:
             log.exception("engine decode call failed")
-            self._fail_all(f"engine error: {exc}")
+            self._fail_all(f"engine error: {exc}", code=_code(exc))
             return
         now = time.perf_counter()
         if self.on_generate is not None:  # the call ran from its dispatch or from the end of the one before
@@ -388,7 +388,7 @@ class Orchestrator:
                 token = pending.result()
             except Exception as exc:
                 log.exception("insert failed for request %s", run.stream.job.request_id)
-                self._fail(run, f"engine error: {exc}")
+                self._fail(run, f"engine error: {exc}", _code(exc))
                 continue
             self._on_token(run, index, token)
 
@@ -436,23 +436,28 @@ class Orchestrator:
                 run.outbox = []
         self._closed.clear()
 
-    def _fail(self, run: _Running, message: str) -> None:
+    def _fail(self, run: _Running, message: str, code: str = "INTERNAL") -> None:
         run.close_prefill()
         for index in list(run.slots):
             self._release(run, index)
         for tracker in run.trackers:
             tracker.finished = True
-        run.outbox.append(ErrorEvent(message))
+        run.outbox.append(ErrorEvent(message, code))
         self._close_if_done(run)
 
-    def _fail_all(self, message: str, include_queued: bool = False) -> None:
+    def _fail_all(self, message: str, include_queued: bool = False, code: str = "INTERNAL") -> None:
         self._inflight = None
         for run in self._prefilling:  # failed ones are closed by _fail too; cancelled ones already were
             run.close_prefill()
         self._prefilling.clear()
         self._firsts = []
         for run in list(self._running.values()):
-            self._fail(run, message)
+            self._fail(run, message, code)
         if include_queued:
             self._waiting.fail_all(message)
         self._flush_outboxes()
+
+
+def _code(exc: BaseException) -> str:
+    """The gRPC status a request failed by `exc` ends with."""
+    return "UNAVAILABLE" if isinstance(exc, EngineUnavailable) else "INTERNAL"

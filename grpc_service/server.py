@@ -79,6 +79,15 @@ class GrpcServer:
         elif not self.ready.done():
             self.ready.set_exception(error)
 
+    def fail(self, message: str) -> None:
+        """On the event loop: the engine cannot go on (a process of its group failed; this process exits soon).
+        Every open request ends with UNAVAILABLE (the gateway answers 503), no new ones, health NOT_SERVING."""
+        self.servicer.fail_open(message, "UNAVAILABLE")
+        self.orchestrator.stop_admission()
+        self.servicer.set_readiness(f"failed: {message}")
+        for name in ("", SERVICE_NAME):
+            asyncio.ensure_future(self.health.set(name, NOT_SERVING))
+
     async def shutdown(self, drain_timeout_s: float = 30.0) -> bool:
         """Stop admission, let in-flight streams finish (cancel them after the timeout), stop. True if drained."""
         await self.health.enter_graceful_shutdown()
@@ -220,6 +229,10 @@ async def serve(
     `options` are start_server's (limits, `warmup`, metrics port, TLS, ...). `warmup` (e.g. the engine's
     compile-everything step) runs on the engine thread while health is NOT_SERVING."""
     running = await start_server(engine, tokenizer, model_id, host, port, **options)
+    channel = getattr(engine, "channel", None)  # a multi-process group's (sampler/multihost.py)
+    if channel is not None:
+        loop = asyncio.get_running_loop()
+        channel.on_fault = lambda message: loop.call_soon_threadsafe(running.fail, message)
     tls = options.get("tls")
     if running.metrics_port is not None:
         log.info("metrics on http://%s:%d/metrics", host, running.metrics_port)
@@ -238,6 +251,8 @@ async def serve(
     log.info("stopping: draining in-flight requests (up to %.0f s)", drain_timeout_s)
     drained = await running.shutdown(drain_timeout_s)
     log.info("stopped (%s)", "drained" if drained else "drain timed out; remaining streams cancelled")
+    if channel is not None:  # then the followers stop too
+        await asyncio.to_thread(engine.stop_group)
     return 0
 
 
@@ -254,11 +269,71 @@ def main(
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server, cfg = settings
     # Imported here, not above: the service itself runs over any `Engine` (tests use a fake one without JAX).
+    from tpuserve.sampler import multihost
     from tpuserve.sampler.factory import load_engine
 
+    try:  # before anything else touches JAX
+        process_id, num_processes = multihost.initialize(
+            server.coordinator, server.num_processes, server.process_id,
+            init_timeout=server.init_timeout, peer_timeout=server.peer_timeout,
+        )  # fmt: skip
+        check_mesh(cfg, num_processes)
+    except (RuntimeError, ValueError) as e:
+        log.error("%s", e)
+        return 2
     engine, tokenizer, model_id = load_engine(dataclasses.replace(cfg, warm_up=False))
-    warmup = (lambda progress: engine.warm_up(progress=progress)) if cfg.warm_up else None
+    if num_processes > 1:
+        channel = multihost.Channel(server.peer_timeout)
+        if process_id != 0:
+            return follow(engine, channel, server, cfg)
+        engine = multihost.LeaderEngine(engine, channel)
+        log.info("leader of %d processes: serving; the others follow", num_processes)
+        warmup = lambda progress: engine.warm_up(compile=cfg.warm_up, progress=progress)
+    else:
+        warmup = (lambda progress: engine.warm_up(progress=progress)) if cfg.warm_up else None
     return asyncio.run(serve(engine, tokenizer, model_id, warmup=warmup, **_serve_options(server, cfg)))
+
+
+def check_mesh(cfg: EngineConfig, num_processes: int) -> None:
+    """A mesh larger than the group's devices: a ValueError naming the settings (on every process)."""
+    import jax
+
+    need, have = cfg.model_parallel * cfg.data_parallel, jax.device_count()
+    if need > have:
+        raise ValueError(f"engine.model_parallel {cfg.model_parallel} x engine.data_parallel {cfg.data_parallel} "
+                         f"needs {need} devices; the {num_processes} process(es) have {have}")  # fmt: skip
+
+
+def follow(engine: Any, channel: Any, server: ServerSettings, cfg: EngineConfig) -> int:
+    """A follower process (--process-id > 0): warm up as the leader does, then run its commands until it stops
+    (exit 0) or the group fails (exit 1, multihost.Channel). gRPC health on server.port says SERVING while it
+    follows (probes of the pod); SIGTERM/SIGINT wait for the leader, which drains and then stops the group."""
+    from concurrent import futures
+
+    import jax
+    from grpc_health.v1 import health as health_sync
+    from tpuserve.sampler import multihost
+
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health = health_sync.HealthServicer()
+    health.set("", NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, grpc_server)
+    port = _bind(grpc_server, server.host, server.port, server.tls())
+    grpc_server.start()
+    channel.on_fault = lambda message: health.set("", NOT_SERVING)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: log.info("signal received: stopping when the leader stops the group"))
+    log.info("follower %d: health on port %d; warming up", jax.process_index(), port)
+    if cfg.warm_up:
+        engine.warm_up(progress=lambda k, n, stage, s: log.info("warm-up %d/%d: %s (%.1f s)", k, n, stage, s))
+    health.set("", SERVING)
+    log.info("following the leader")
+    code = multihost.follow(engine, channel)
+    log.info("the leader stopped the group")
+    health.set("", NOT_SERVING)
+    grpc_server.stop(1.0)
+    return code
+
 
 
 def _serve_options(server: ServerSettings, cfg: EngineConfig) -> dict[str, Any]:

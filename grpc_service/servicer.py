@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import grpc
 from tpuserve.grpc_service.admission import QueueFullError, RequestStream, ShuttingDownError
 from tpuserve.grpc_service.convert import TokenConverter
-from tpuserve.grpc_service.jobs import Finish, PromptEvent, SampleEvent
+from tpuserve.grpc_service.jobs import ErrorEvent, Finish, PromptEvent, SampleEvent
 from tpuserve.grpc_service.metrics import BackendMetrics
 from tpuserve.grpc_service.orchestrator import Orchestrator
 from tpuserve.grpc_service.validation import InvalidRequest, Limits, build_job, check_token_ids, render_chat
@@ -253,6 +253,12 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     def set_readiness(self, detail: str) -> None:
         self.readiness = detail
 
+    def fail_open(self, message: str, code: str = "UNAVAILABLE") -> None:
+        """End every open Generate stream with `code` (the engine cannot go on: a process of its group failed).
+        On the event loop; the streams' own events after this one are not read."""
+        for stream in list(self._open):
+            stream.deliver([ErrorEvent(message, code)])
+
     async def drain(self, timeout: float) -> bool:
         """Wait for open Generate streams to end; after `timeout` cancel them (they end with CANCELLED)."""
         try:
@@ -327,4 +333,5 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             readiness=self.readiness,
             weight_bytes=int(getattr(engine, "weight_bytes", 0) or 0),
             quantization=str(getattr(engine, "quantization", "") or ""),
+            num_processes=int(getattr(engine, "num_processes", 1) or 1),
         )

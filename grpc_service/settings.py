@@ -59,6 +59,14 @@ class ServerSettings:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None
+    # One model across several processes (hosts of a TPU slice): JAX's distributed runtime. coordinator: process
+    # 0's HOST:PORT; all three unset: one process, or on a multi-host Cloud TPU VM slice (TPU_WORKER_HOSTNAMES
+    # lists several hosts) what jax.distributed.initialize() detects. Process 0 serves; the others follow.
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    peer_timeout: float = 30.0  # a process silent this long (dead, stopped): NOT_SERVING, UNAVAILABLE, all exit 1
+    init_timeout: float = 300.0  # seconds every process waits for the others (and the coordinator) at start
 
     def __post_init__(self) -> None:
         if self.log_format not in ("json", "text"):
@@ -67,12 +75,31 @@ class ServerSettings:
             raise ValueError("TLS needs both --tls-cert-file and --tls-key-file")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ValueError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
+        group = (self.coordinator, self.num_processes, self.process_id)
+        if any(v is not None for v in group) and any(v is None for v in group):
+            raise ValueError("--coordinator, --num-processes and --process-id go together (none: one process, "
+                             "or what jax.distributed detects on a Cloud TPU slice)")  # fmt: skip
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ValueError(f"--num-processes must be at least 1, not {self.num_processes}")
+        if self.process_id is not None and not 0 <= self.process_id < (self.num_processes or 1):
+            raise ValueError(f"--process-id must be in 0..{(self.num_processes or 1) - 1} (--num-processes "
+                             f"{self.num_processes}), not {self.process_id}")  # fmt: skip
+        if self.coordinator is not None and not _is_host_port(self.coordinator):
+            raise ValueError(f"--coordinator must be HOST:PORT, not {self.coordinator!r}")
+        for name in ("peer_timeout", "init_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds")
 
     def tls(self) -> ServerTLS | None:
         """TLS when a certificate is set, else None (plaintext)."""
         if self.tls_cert_file is None or self.tls_key_file is None:
             return None
         return ServerTLS(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+
+
+def _is_host_port(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 def add_quantization_flag(p: argparse.ArgumentParser) -> None:
@@ -141,6 +168,14 @@ def parser(prog: str = "python -m tpuserve.grpc_service") -> argparse.ArgumentPa
         default=None,
         help="require client certificates signed by this CA (mutual TLS)",
     )
+    g = p.add_argument_group("several processes (one model across the hosts of a TPU slice; README)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address (jax.distributed)")
+    g.add_argument("--num-processes", type=int, default=None, help="processes in the group")
+    g.add_argument("--process-id", type=int, default=None, help="this process's index; 0 serves, the others follow")
+    g.add_argument("--peer-timeout", type=float, default=None,
+                   help="seconds a silent process is waited for, then every process exits 1 (30)")  # fmt: skip
+    g.add_argument("--init-timeout", type=float, default=None,
+                   help="seconds to wait for the coordinator and the other processes at start (300)")  # fmt: skip
     return p
 
 

@@ -77,7 +77,7 @@ def restore_params(
 ) -> dict[str, Any]:
     """Restore straight into the target dtype and layout: the abstract tree carries each leaf's sharding (int8
     matrices: their values and scales, rebuilt into QuantizedMatrix)."""
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
     def leaf(name: str, shape: tuple[int, ...], leaf_dtype: Any) -> jax.ShapeDtypeStruct:
         where = device if not shardings else field_sharding(shardings[name], name, shape)

@@ -15,6 +15,11 @@ MAX_TOP_LOGPROBS = 20  # K: the server-wide logprob width computed on the device
 T = TypeVar("T")
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine cannot run any more calls (a process of its group failed): requests end with UNAVAILABLE, not
+    INTERNAL, and the process is about to exit."""
+
+
 class Pending(Generic[T]):
     """A result the device may still be computing (JAX dispatch is asynchronous): `result()` waits for it and
     copies it to the host, once. The engine thread dispatches the next call before it reads this one."""
@@ -120,6 +125,7 @@ class Engine(abc.ABC):
     vocab_size: int
     top_k_width: int = MAX_TOP_LOGPROBS
     prefill_chunk: int = 512  # prompt tokens one prefill step computes at most
+    num_processes: int = 1  # JAX processes the engine's programs span (sampler/multihost.py)
 
     @property
     def mask_words(self) -> int:

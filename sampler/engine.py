@@ -49,8 +49,8 @@ PREFIX_RULES = ShardingRules({**DEFAULT_RULES, "batch": None})
 
 
 def device_memory_bytes() -> int:
-    """The first device's memory (its allocator's limit), or the host's RAM for a CPU device."""
-    stats = jax.devices()[0].memory_stats() or {}
+    """This process's first device's memory (its allocator's limit), or the host's RAM for a CPU device."""
+    stats = jax.local_devices()[0].memory_stats() or {}
     if stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

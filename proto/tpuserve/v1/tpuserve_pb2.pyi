@@ -255,7 +255,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "context_length", "max_top_logprobs", "eos_token_ids", "dtype", "mesh_shape", "mesh_axes", "slots", "max_n", "created", "readiness", "weight_bytes", "quantization")
+    __slots__ = ("model_id", "vocab_size", "context_length", "max_top_logprobs", "eos_token_ids", "dtype", "mesh_shape", "mesh_axes", "slots", "max_n", "created", "readiness", "weight_bytes", "quantization", "num_processes")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +270,7 @@ class ModelInfo(_message.Message):
     READINESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     context_length: int
@@ -284,4 +285,5 @@ class ModelInfo(_message.Message):
     readiness: str
     weight_bytes: int
     quantization: str
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_axes: _Optional[_Iterable[str]] = ..., slots: _Optional[int] = ..., max_n: _Optional[int] = ..., created: _Optional[int] = ..., readiness: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ...) -> None: ...
+    num_processes: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_axes: _Optional[_Iterable[str]] = ..., slots: _Optional[int] = ..., max_n: _Optional[int] = ..., created: _Optional[int] = ..., readiness: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., num_processes: _Optional[int] = ...) -> None: ...

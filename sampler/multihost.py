@@ -1,0 +1,402 @@
+"""One model across several JAX processes (the hosts of a TPU slice), JAX's multi-controller model: every process
+runs the same jitted programs in the same order, each on its own devices, and the programs' collectives join
+them into one computation over the global mesh.
+
+Process 0, the leader, serves (gRPC, orchestrator, health, metrics) through a `LeaderEngine`; the others
+`follow`. Each engine call that dispatches device work (a prefill chunk, an insert, a decode call, a release, a
+token mask) is first sent to every process as a command, then run locally; a follower runs the commands it
+receives, in order, on its own `JaxEngine`. The outputs are read on the leader (they are replicated over the
+mesh, so each process holds a whole copy).
+
+What carries the commands: `jax.experimental.multihost_utils.broadcast_one_to_all`, a jitted broadcast over the
+global devices, on fixed 4 KiB frames (one compiled program; a longer command spans several frames). It goes
+through the same device queues as the engine's programs, so each command is ordered with the device work
+around it on every process, with no transport of ours beside JAX's. Its cost: a command waits behind the
+device call already queued (the leader cannot queue decode call k+1 while call k runs, as one process does).
+
+Faults: a process that dies fails the collectives it belonged to at once (gloo: connection reset); one that
+stops answering leaves them waiting, so the leader sends a no-op command after a second of silence and every
+process watches for `peer_timeout` seconds without a completed exchange. Either way `on_fault` runs (the
+server turns health NOT_SERVING and ends every open request with UNAVAILABLE) and the process exits 1 shortly
+after: a collective cannot be interrupted, and the scheduler restarts the group. JAX's own heartbeats
+(`jax.distributed`) stop the processes too, a little later, if this does not.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import pickle
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+from tpuserve.sampler.api import (
+    Engine,
+    EngineUnavailable,
+    Pending,
+    PrefixCacheStats,
+    PromptLogprobs,
+    SlotParams,
+    StepArrays,
+    TokenOut,
+)
+
+log = logging.getLogger(__name__)
+
+FRAME = 4096  # bytes per broadcast; the first 4 of a command's first frame hold its length
+HEARTBEAT_S = 1.0  # the leader's no-op after this much silence
+EXIT_GRACE_S = 2.0  # after a fault: time for the error events to reach the clients, then exit 1
+
+
+def initialize(
+    coordinator: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    *,
+    init_timeout: float = 300.0,
+    peer_timeout: float = 30.0,
+) -> tuple[int, int]:
+    """Join the process group before anything else touches JAX; -> (process id, number of processes).
+
+    With no coordinator: one process, unless this is one host of a multi-host Cloud TPU VM slice
+    (TPU_WORKER_HOSTNAMES lists several hosts), where jax.distributed.initialize() detects the rest itself.
+    On CPU the collectives between processes run over gloo. A coordinator that does not answer within
+    `init_timeout` raises RuntimeError naming --coordinator."""
+    import jax
+
+    if coordinator is None and "," not in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
+        return 0, 1
+    jax.config.update(
+        "jax_cpu_collectives_implementation", "gloo"
+    )  # CPU devices only; TPU/GPU have their own
+    # JAX's heartbeats end the group a little after our watchdog would (peer_timeout)
+    options = {"initialization_timeout": max(1, int(init_timeout)),
+               "heartbeat_timeout_seconds": int(peer_timeout) + 15}  # fmt: skip
+    log.info("joining the process group: --coordinator %s, --num-processes %s, --process-id %s (waiting up to "
+             "--init-timeout %g s; past it JAX ends the process)", coordinator or "(detected)", num_processes,
+             process_id, init_timeout)  # fmt: skip
+    if coordinator is not None and process_id != 0:
+        _wait_for(coordinator, init_timeout)  # else JAX aborts the process with a message that names no flag
+    try:
+        if coordinator is None:
+            jax.distributed.initialize(**options)
+        else:
+            jax.distributed.initialize(coordinator, num_processes, process_id, **options)
+    except Exception as e:
+        raise RuntimeError(
+            f"--coordinator {coordinator or '(detected)'}: the process group did not form within "
+            f"--init-timeout {init_timeout:g} s ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
+        ) from e
+    return jax.process_index(), jax.process_count()
+
+
+def _wait_for(address: str, timeout: float) -> None:
+    """Until the coordinator accepts a TCP connection; RuntimeError naming the flags after `timeout` seconds."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"--coordinator {address}: nothing answered within --init-timeout {timeout:g} s "
+                                   f"({e})") from e  # fmt: skip
+            time.sleep(0.5)
+
+
+class Channel:
+    """The leader's commands to every process, in order, over `broadcast_one_to_all`, and the watchdog that
+    turns silence or a failed exchange into a fault."""
+
+    def __init__(self, peer_timeout: float = 30.0, exit_on_fault: bool = True) -> None:
+        import jax
+
+        self.leader = jax.process_index() == 0
+        self.num_processes = jax.process_count()
+        self.peer_timeout = peer_timeout
+        self.exit_on_fault = exit_on_fault
+        self.lock = threading.RLock()  # a command and the local device work it stands for go out together
+        self.on_fault: Callable[[str], None] | None = None
+        self.fault: str | None = None
+        self.last_ok = time.monotonic()  # the end of the last completed exchange
+        self._watching = threading.Event()
+        self._stop = threading.Event()
+
+    def _exchange(self, frame: np.ndarray) -> np.ndarray:
+        from jax.experimental import multihost_utils
+
+        try:
+            out = np.asarray(multihost_utils.broadcast_one_to_all(frame))
+        except Exception as e:
+            self.failed(f"a process of the group failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            raise EngineUnavailable(self.fault) from e
+        self.last_ok = time.monotonic()
+        return out
+
+    def send(self, payload: bytes) -> None:
+        """Leader: one command to every process (call with `lock` held, with the local work it stands for)."""
+        if self.fault is not None:
+            raise EngineUnavailable(self.fault)
+        data = len(payload).to_bytes(4, "little") + payload
+        for start in range(0, len(data), FRAME):
+            frame = np.zeros(FRAME, np.uint8)
+            part = np.frombuffer(data[start : start + FRAME], np.uint8)
+            frame[: part.size] = part
+            self._exchange(frame)
+
+    def receive(self) -> bytes:
+        """Follower: the next command."""
+        empty = np.zeros(FRAME, np.uint8)
+        first = self._exchange(empty)
+        size = int.from_bytes(first[:4].tobytes(), "little")
+        frames = [first]
+        while len(frames) * FRAME < size + 4:
+            frames.append(self._exchange(empty))
+        return np.concatenate(frames).tobytes()[4 : 4 + size]
+
+    def start_watching(self) -> None:
+        """After warm-up (every process ran the same warm-up programs): the leader's heartbeats and the watchdog."""
+        self.last_ok = time.monotonic()
+        self._watching.set()
+        threading.Thread(target=self._watch, name="group-watchdog", daemon=True).start()
+        if self.leader:
+            threading.Thread(target=self._beat, name="group-heartbeat", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S / 4):
+            if time.monotonic() - self.last_ok >= HEARTBEAT_S and self.fault is None:
+                with self.lock:
+                    if self._stop.is_set() or time.monotonic() - self.last_ok < HEARTBEAT_S:
+                        continue
+                    try:
+                        self.send(pickle.dumps(((), "noop", ())))
+                    except Exception:  # noqa: BLE001 — failed() has run
+                        return
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.5):
+            silent = time.monotonic() - self.last_ok
+            if silent > self.peer_timeout:
+                self.failed(f"no answer from the other processes of the group for {silent:.0f} s "
+                            f"(--peer-timeout {self.peer_timeout:g})")  # fmt: skip
+                return
+
+    def failed(self, message: str) -> None:
+        """A fault (once): tell `on_fault`, then exit 1 after EXIT_GRACE_S (the leader) or at once."""
+        if self.fault is not None:
+            return
+        self.fault = message
+        log.error("process group fault: %s", message)
+        if self.on_fault is not None:
+            try:
+                self.on_fault(message)
+            except Exception:
+                log.exception("the fault handler failed")
+        if self.exit_on_fault:
+            delay = EXIT_GRACE_S if self.leader else 0.0
+            threading.Thread(target=_exit_after, args=(delay,), name="group-exit", daemon=True).start()
+
+
+def _exit_after(delay: float) -> None:
+    time.sleep(delay)
+    logging.shutdown()
+    os._exit(1)  # a thread may be blocked in a collective that nothing can interrupt
+
+
+class LeaderEngine(Engine):
+    """The leader's engine: each call that dispatches device work is sent to every process, then run here on
+    `inner` (a JaxEngine over the global mesh). Reads (buckets, prompt logprobs, stats) stay local."""
+
+    def __init__(self, inner: Any, channel: Channel) -> None:
+        self.inner, self.channel = inner, channel
+        for name in ("slots", "max_seq_len", "steps_per_call", "vocab_size", "top_k_width", "prefill_chunk"):
+            setattr(self, name, getattr(inner, name))
+        self.num_processes = channel.num_processes
+        self._next_handle = 0
+        # prefixes the leader let go (appended by their finalizers, on any thread): the followers drop theirs
+        self._dropped: collections.deque[int] = collections.deque()
+
+    def __getattr__(self, name: str) -> Any:  # weight_bytes, quantization, mesh, ...: the inner engine's
+        return getattr(self.__dict__["inner"], name)
+
+    def _send(self, op: str, *args: Any) -> None:
+        drops = [self._dropped.popleft() for _ in range(len(self._dropped))]
+        self.channel.send(pickle.dumps((drops, op, args)))
+
+    def _call(self, op: str, args: tuple, local: Callable[[], Any]) -> Any:
+        with self.channel.lock:
+            self._send(op, *args)
+            return local()
+
+    def _watched(self, pending: Pending) -> Pending:
+        def result():
+            try:
+                return pending.result()
+            except Exception as e:
+                self.channel.failed(
+                    f"a device call failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                )
+                raise EngineUnavailable(self.channel.fault) from e
+
+        return Pending(result)
+
+    def _handle(self, prefix: Any) -> int:
+        return prefix.group_handle
+
+    def _keep(self, prefix: Any, handle: int) -> None:
+        prefix.group_handle = handle
+        weakref.finalize(prefix, self._dropped.append, handle)
+
+    # ---- start-up and shutdown ----
+    def warm_up(self, compile: bool = True, **kwargs: Any) -> None:
+        """Every process runs the same warm-up (each follower its own, `compile` alike); then one exchange
+        (compiles the broadcast, and every process is here), heartbeats and the watchdog."""
+        if compile:
+            self.inner.warm_up(**kwargs)
+        with self.channel.lock:
+            self._send("ready")
+        self.channel.start_watching()
+
+    def stop_group(self) -> None:
+        """After the drain: the followers leave their loop and exit 0."""
+        with self.channel.lock:
+            self.channel.stop()
+            if self.channel.fault is None:
+                self._send("stop")
+
+    # ---- Engine API ----
+    def prefill(
+        self, tokens: list[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None
+    ) -> Any:
+        *_, prefix = self.prefill_steps(tokens, want_prompt_logprobs, cache_salt)
+        return prefix
+
+    def prefill_steps(
+        self, tokens: list[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None
+    ) -> Iterator[Any]:
+        handle, self._next_handle = self._next_handle, self._next_handle + 1
+        steps = self._call("prefill", (handle, list(tokens), want_prompt_logprobs, cache_salt),
+                           lambda: self.inner.prefill_steps(tokens, want_prompt_logprobs, cache_salt))  # fmt: skip
+        done = False
+        try:
+            while not done:
+                with self.channel.lock:
+                    self._send("next", handle)
+                    try:
+                        out = next(steps)
+                    except StopIteration:
+                        done = True
+                        return
+                    if out is not None:  # the last chunk: closed now, as the followers close theirs
+                        done = True
+                        steps.close()
+                        self._keep(out, handle)
+                yield out
+        finally:
+            if not done:  # closed early (a cancelled request), or an error: the followers close theirs
+                with self.channel.lock:
+                    if self.channel.fault is None:
+                        self._send("close", handle)
+                    steps.close()
+
+    def cached_tokens(self, prefix: Any) -> int:
+        return self.inner.cached_tokens(prefix)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        return self.inner.prefix_cache_stats()
+
+    def next_call_steps(self) -> int:
+        return self.inner.next_call_steps()
+
+    def prefill_cost(self, prompt_len: int) -> int:
+        return self.inner.prefill_cost(prompt_len)
+
+    def prompt_logprobs(self, prefix: Any) -> PromptLogprobs | None:
+        return self.inner.prompt_logprobs(prefix)
+
+    def start_insert(
+        self, prefix: Any, slot: int, params: SlotParams, allowed: np.ndarray | None = None
+    ) -> Pending[TokenOut]:
+        pending = self._call("insert", (self._handle(prefix), slot, params, allowed),
+                             lambda: self.inner.start_insert(prefix, slot, params, allowed))  # fmt: skip
+        return self._watched(pending)
+
+    def insert(
+        self, prefix: Any, slot: int, params: SlotParams, allowed: np.ndarray | None = None
+    ) -> TokenOut:
+        return self.start_insert(prefix, slot, params, allowed).result()
+
+    def constrain(self, slot: int, allowed: np.ndarray | None) -> None:
+        self._call("constrain", (slot, allowed), lambda: self.inner.constrain(slot, allowed))
+
+    def start_generate(self) -> Pending[StepArrays]:
+        return self._watched(self._call("generate", (), self.inner.start_generate))
+
+    def generate(self) -> StepArrays:
+        return self.start_generate().result()
+
+    def release(self, slot: int) -> None:
+        self._call("release", (slot,), lambda: self.inner.release(slot))
+
+
+def follow(engine: Any, channel: Channel) -> int:
+    """A follower's loop: run the leader's commands on `engine` (warmed up like the leader's) until "stop";
+    -> 0. A fault exits the process (Channel.failed)."""
+    prefixes: dict[int, Any] = {}
+    steps: dict[int, Iterator[Any]] = {}
+    last: Pending | None = None  # the previous decode call, read before the next is queued
+    while True:
+        drops, op, args = pickle.loads(channel.receive())
+        for handle in drops:
+            prefixes.pop(handle, None)
+        try:
+            if op == "stop":
+                return 0
+            if op == "ready":
+                channel.start_watching()
+            elif op == "prefill":
+                handle, tokens, want, salt = args
+                steps[handle] = engine.prefill_steps(tokens, want, salt)
+            elif op == "next":
+                (handle,) = args
+                try:
+                    out = next(steps[handle])
+                except StopIteration:
+                    steps.pop(handle, None)
+                    continue
+                if out is not None:
+                    steps.pop(handle).close()
+                    prefixes[handle] = out
+            elif op == "close":
+                it = steps.pop(args[0], None)
+                if it is not None:
+                    it.close()
+            elif op == "insert":
+                handle, slot, params, allowed = args
+                engine.start_insert(prefixes[handle], slot, params, allowed)
+            elif op == "constrain":
+                engine.constrain(*args)
+            elif op == "generate":
+                if last is not None:
+                    last.result()
+                last = engine.start_generate()
+            elif op == "release":
+                engine.release(*args)
+            elif op != "noop":
+                raise ValueError(f"unknown command {op!r}")
+        except Exception as e:  # the leader met the same error (the same code on the same inputs) and went on
+            if channel.fault is not None:
+                raise
+            if op in ("prefill", "next"):
+                steps.pop(args[0], None)
+            log.info("command %s raised %s: %s (as on the leader)", op, type(e).__name__, e)
