@@ -23,7 +23,12 @@ $(TVENV)/.installed: pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
-install-# The embedded model across 2 local processes x 2 CPU devices (configs/multihost.yaml, model_parallel 4): process 1
+install-test: $(TVENV)/.installed
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/tpuserve serve --port $(PORT) --grpc-port $(GRPC_PORT) $(ARGS)
+
+# The embedded model across 2 local processes x 2 CPU devices (configs/multihost.yaml, model_parallel 4): process 1
 # follows in the background (gRPC health on GRPC_PORT + 2); process 0 serves gRPC on GRPC_PORT and HTTP on PORT.
 COORDINATOR ?= 127.0.0.1:8476
 serve-multihost: $(VENV)/.installed
@@ -31,11 +36,6 @@ serve-multihost: $(VENV)/.installed
 		--coordinator $(COORDINATOR) --host 127.0.0.1 --port $$(($(GRPC_PORT) + 2)) & \
 	JAX_NUM_CPU_DEVICES=2 $(VENV)/bin/tpuserve serve --config configs/multihost.yaml --coordinator $(COORDINATOR) \
 		--port $(PORT) --grpc-port $(GRPC_PORT) $(ARGS); rc=$$?; wait; exit $$rc
-
-test: $(TVENV)/.installed
-
-serve: $(VENV)/.installed
-	$(VENV)/bin/tpuserve serve --port $(PORT) --grpc-port $(GRPC_PORT) $(ARGS)
 
 test: $(TVENV)/.installed
 	$(TVENV)/bin/python -m pytest -q --durations=25 $(PYTEST_ARGS)

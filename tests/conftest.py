@@ -71,5 +71,7 @@ def real_backend(engine, embedded):
 
 
 @pytest.fixture(scope="session")
-def real_backend_address(real_backend) -> str:
-    return real_backend.address
+def real_backend_address(request: pytest.FixtureRequest) -> str:
+    """The real backend's gRPC address: the in-process one above, or $TPUSERVE_TEST_BACKEND (HOST:PORT) to run the
+    real-backend gateway checks against a running `tpuserve grpc`, e.g. the leader of `make serve-multihost`."""
+    return os.environ.get("TPUSERVE_TEST_BACKEND") or request.getfixturevalue("real_backend").address
