@@ -75,9 +75,10 @@ def initialize(
     jax.config.update(
         "jax_cpu_collectives_implementation", "gloo"
     )  # CPU devices only; TPU/GPU have their own
-    # JAX's heartbeats end the group a little after our watchdog would (peer_timeout)
+    # JAX's heartbeats end the group (SIGABRT) well after our watchdog would (peer_timeout): seen here, JAX 0.10
+    # noticed a stopped process 28 s into a 45 s heartbeat timeout
     options = {"initialization_timeout": max(1, int(init_timeout)),
-               "heartbeat_timeout_seconds": int(peer_timeout) + 15}  # fmt: skip
+               "heartbeat_timeout_seconds": 2 * int(peer_timeout) + 30}  # fmt: skip
     log.info("joining the process group: --coordinator %s, --num-processes %s, --process-id %s (waiting up to "
              "--init-timeout %g s; past it JAX ends the process)", coordinator or "(detected)", num_processes,
              process_id, init_timeout)  # fmt: skip
