@@ -13,6 +13,8 @@ measured says "not run" or "error", never PASS. Row groups (`--only`, comma-sepa
   single, many, ttft, ttft_load, logprobs   see bench/rows.py
   prefix     the prefix cache on vs off (two servers of their own): see bench/prefix.py
   quant      the GGUF's quantized blocks kept vs dequantized at load (two servers of their own): bench/quant.py
+  multihost  one model over 2 processes x 2 CPU devices vs 1 process x 4 (servers of their own, one loaded at a
+             time; slow: several minutes): bench/multihost.py
   compiles   tpuserve_backend_xla_compiles_total (the backend's /metrics, GRPC_PORT + 1) before the first
              request and after the last: target 0 new compiles after warm-up
   engine     DIAGNOSTIC: the engine in this process, no gRPC/HTTP (bench/engine_diag.py)
@@ -41,7 +43,8 @@ from bench import clients, rows, servers, workload
 from bench.hf import TORCH_THREADS
 from bench.table import FAILED, Row, Target, count_row, judged, markdown, not_run, write_json
 
-ALL = ["single", "ttft", "many", "logprobs", "ttft_load", "compiles", "startup", "prefix", "quant", "engine"]
+ALL = ["single", "ttft", "many", "logprobs", "ttft_load", "compiles", "startup", "prefix", "quant"]
+ALL += ["multihost", "engine"]
 LLAMA_GROUPS = {"single", "ttft", "many", "ttft_load"}
 
 
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     raw: dict = {}
     start = time.perf_counter()
     out: list[Row] = []
-    if set(groups) - {"engine", "startup", "prefix", "quant"}:
+    if set(groups) - {"engine", "startup", "prefix", "quant", "multihost"}:
         out += measure_http(args, plan, groups, gguf, workdir, meta, raw)
     if "startup" in groups:
         out.append(startup_row(args, workdir, raw))
@@ -247,6 +250,18 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 -- reported as the row's result
             traceback.print_exc()
             out.append(Row("quant", "quant: failed", "—", "—", None, "", FAILED, f"{type(e).__name__}: {e}"))
+    if "multihost" in groups:
+        from bench.multihost import multihost_rows
+
+        try:
+            out += multihost_rows(
+                args.config, workdir, plan.reps, args.quick, raw, external=bool(args.tpuserve_url)
+            )
+        except Exception as e:  # noqa: BLE001 -- reported as the row's result
+            traceback.print_exc()
+            out.append(
+                Row("multihost", "multihost: failed", "—", "—", None, "", FAILED, f"{type(e).__name__}: {e}")
+            )
     if "engine" in groups:
         from bench.engine_diag import engine_rows
 
