@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 
 from bench import clients, rows, servers, workload
 from bench.hf import TORCH_THREADS
@@ -210,6 +211,15 @@ def _run_groups(ctx: rows.Context, groups: list[str]) -> list[Row]:
     return out
 
 
+def _guarded(group: str, rows_of: Callable[[], list[Row]]) -> list[Row]:
+    """A paired group's rows, or one FAILED row saying what broke (the other groups still run)."""
+    try:
+        return rows_of()
+    except Exception as e:  # noqa: BLE001 -- reported as the row's result
+        traceback.print_exc()
+        return [Row(group, f"{group}: failed", "—", "—", None, "", FAILED, f"{type(e).__name__}: {e}")]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     groups = [g.strip() for g in args.only.split(",") if g.strip()]
@@ -230,38 +240,26 @@ def main(argv: list[str] | None = None) -> int:
         out += measure_http(args, plan, groups, gguf, workdir, meta, raw)
     if "startup" in groups:
         out.append(startup_row(args, workdir, raw))
+    external = bool(args.tpuserve_url)
     if "prefix" in groups:
         from bench.prefix import prefix_rows
 
-        try:
-            out += prefix_rows(args.config, workdir, plan.reps, raw, external=bool(args.tpuserve_url))
-        except Exception as e:  # noqa: BLE001 -- reported as the row's result
-            traceback.print_exc()
-            out.append(
-                Row("prefix", "prefix: failed", "—", "—", None, "", FAILED, f"{type(e).__name__}: {e}")
-            )
+        out += _guarded(
+            "prefix", lambda: prefix_rows(args.config, workdir, plan.reps, raw, external=external)
+        )
     if "quant" in groups:
         from bench.quant import quant_rows
 
-        try:
-            out += quant_rows(
-                args.config, workdir, plan.reps, args.quick, raw, external=bool(args.tpuserve_url)
-            )
-        except Exception as e:  # noqa: BLE001 -- reported as the row's result
-            traceback.print_exc()
-            out.append(Row("quant", "quant: failed", "—", "—", None, "", FAILED, f"{type(e).__name__}: {e}"))
+        out += _guarded(
+            "quant", lambda: quant_rows(args.config, workdir, plan.reps, args.quick, raw, external=external)
+        )
     if "multihost" in groups:
         from bench.multihost import multihost_rows
 
-        try:
-            out += multihost_rows(
-                args.config, workdir, plan.reps, args.quick, raw, external=bool(args.tpuserve_url)
-            )
-        except Exception as e:  # noqa: BLE001 -- reported as the row's result
-            traceback.print_exc()
-            out.append(
-                Row("multihost", "multihost: failed", "—", "—", None, "", FAILED, f"{type(e).__name__}: {e}")
-            )
+        out += _guarded(
+            "multihost",
+            lambda: multihost_rows(args.config, workdir, plan.reps, args.quick, raw, external=external),
+        )
     if "engine" in groups:
         from bench.engine_diag import engine_rows
 
