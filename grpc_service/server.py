@@ -335,7 +335,6 @@ def follow(engine: Any, channel: Any, server: ServerSettings, cfg: EngineConfig)
     return code
 
 
-
 def _serve_options(server: ServerSettings, cfg: EngineConfig) -> dict[str, Any]:
     """`serve`'s keywords (but `warmup`) from the process's settings."""
     return {
