@@ -339,6 +339,62 @@ def test_one_decode_call_stays_in_flight():
     assert dispatched[:3] == [0, 0, 1]  # the second call goes out before the first is read
 
 
+def _spy_dispatches(engine: FakeEngine) -> list[int]:
+    """Records, at each decode call's dispatch, how many calls had been read; logs "dispatch" in engine.log (the
+    fake computes a call, logging "generate", when it is read)."""
+    dispatched: list[int] = []
+    start = engine.start_generate
+
+    def spy():
+        dispatched.append(engine.generate_calls)
+        engine.log.append("dispatch")
+        return start()
+
+    engine.start_generate = spy
+    return dispatched
+
+
+def test_long_calls_are_read_in_their_turn_while_a_slot_is_free():
+    """Calls longer than overlap_max_call_s, a slot free: after the first call is timed, each call is read before
+    the next is dispatched; a request arriving during a call is prefilled right after it, with no call queued
+    ahead of its prefill (XLA:CPU: 0.4-0.8 s saved on the time to first token under load)."""
+    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3], steps_per_call=2, delay_s=0.03)
+    dispatched = _spy_dispatches(engine)
+    orch = make(engine, overlap_max_call_s=0.01)
+
+    async def main():
+        running = orch.submit(job(max_tokens=41))
+        await running.events().__anext__()
+        await asyncio.sleep(0.1)  # a few calls
+        late = await collect(orch, job(prompt=(3, 1), max_tokens=3))
+        return late, await drain(running)
+
+    try:
+        late, rest = asyncio.run(main())
+    finally:
+        orch.close()
+    assert samples(late)[0][-1].finish is Finish.LENGTH and rest[-1].finish is Finish.LENGTH
+    assert dispatched[:2] == [0, 0]  # not timed yet: the second call goes out before the first is read
+    assert dispatched[2:] == list(range(2, len(dispatched)))  # then each call is read before the next
+    at = [i for i, what in enumerate(engine.log) if what == "prefill"][-1]  # the late request's prefill
+    before = engine.log[:at]
+    assert before.count("dispatch") == before.count("generate") > 2  # no call was waiting ahead of it
+
+
+def test_calls_stay_in_flight_while_no_slot_is_free():
+    """Long calls, but every slot taken: a newcomer could not start before the next call anyway, so the call
+    stays in flight (host work overlaps the device)."""
+    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3], slots=1, steps_per_call=2, delay_s=0.02)
+    dispatched = _spy_dispatches(engine)
+    orch = make(engine, overlap_max_call_s=0.01)
+    try:
+        events = asyncio.run(collect(orch, job(max_tokens=11)))
+    finally:
+        orch.close()
+    assert samples(events)[0][-1].completion_tokens == 11
+    assert dispatched == [0, 0, 1, 2, 3]  # 1 + 5 calls of 2: each goes out before the one before is read
+
+
 def test_a_long_prompt_is_prefilled_between_decode_calls():
     """While a stream decodes, a prompt of 5 chunks is prefilled one chunk per decode call, not all at once."""
     engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3], steps_per_call=2, prefill_chunk=4, delay_s=0.005)
