@@ -272,6 +272,50 @@ class JaxEngine(Engine):
         *_, prefix = self.prefill_steps(tokens, want_prompt_logprobs, cache_salt)
         return prefix
 
+    def together_shapes(self) -> list[tuple[int, int]]:
+        """(rows, padded size) of every `chunk_together` program: prompts padded to one size bucket, at most
+        C = prefill_chunk rows of tokens in all (in-process on XLA:CPU, the embedded model: a chunk of 16 rows
+        takes ~76 ms, one of 128 rows ~237 ms), 2, 4, ... prompts. None on a mesh (prompts go one by one)."""
+        if self.mesh is not None:
+            return []
+        C = self.prefill_chunk
+        return [(rows, size) for size in self.chunk_sizes if size < C
+                for rows in power_of_two_buckets(2, C // size) if 2 <= rows and rows * size <= C]  # fmt: skip
+
+    def prefill_together(
+        self, prompts: list[list[int]], cache_salts: list[str | None] | None = None
+    ) -> list[Prefix]:
+        """Prompts shorter than C grouped by padded size, up to C // size a program (`together_shapes`); a
+        group of one, and any prompt on a mesh, is prefilled alone. Each prefix equals `prefill`'s (tested).
+        The salts do not matter here: a prompt shorter than C has no block to share."""
+        C, prefixes = self.prefill_chunk, [None] * len(prompts)
+        salts = cache_salts or [None] * len(prompts)
+        if any(not 0 < len(tokens) < C for tokens in prompts):
+            raise ValueError(f"prefill_together takes prompts of 1..{C - 1} tokens")
+        groups: dict[int, list[int]] = {}
+        for i, tokens in enumerate(prompts):
+            groups.setdefault(bucket_for(len(tokens), self.chunk_sizes), []).append(i)
+        shapes = self.together_shapes()
+        for size, members in groups.items():
+            most = max((rows for rows, s in shapes if s == size), default=1)
+            for first in range(0, len(members), most):
+                group = members[first : first + most]
+                if len(group) == 1:
+                    prefixes[group[0]] = self.prefill(prompts[group[0]], cache_salt=salts[group[0]])
+                    continue
+                rows = bucket_for(len(group), [r for r, s in shapes if s == size])
+                tokens, last = np.zeros((rows, size), np.int32), np.zeros(rows, np.int32)
+                for r, i in enumerate(group):
+                    tokens[r, : len(prompts[i])] = prompts[i]
+                    last[r] = len(prompts[i]) - 1
+                    if self.index is not None:  # counted as looked up, as `prefill` does (no full block)
+                        self.index.lookup([], len(prompts[i]), False)
+                attend = bucket_for(min(size, self.max_seq_len), self.attend_buckets)
+                caches, logits = self.programs.chunk_together(self.params, tokens, last, attend_len=attend)
+                for r, i in enumerate(group):
+                    prefixes[i] = Prefix(caches[r], logits[r], len(prompts[i]), None)
+        return prefixes
+
     def prefill_cost(self, prompt_len: int) -> int:
         # the first chunk's padded size
         return bucket_for(min(prompt_len, self.prefill_chunk), self.chunk_sizes)
@@ -445,6 +489,15 @@ class JaxEngine(Engine):
 
         stages = [(f"prefill chunk of {size} attending {attend}", functools.partial(chunk, size, attend, start))
                   for (size, attend), start in sorted(shapes.items())]  # fmt: skip
+
+        def together(rows: int, size: int) -> None:  # and an insert of such a prefix (its own cache shape)
+            prefixes = self.prefill_together([[1] * min(size, self.prefill_chunk - 1)] * rows)
+            self.insert(prefixes[0], 0, params)
+            self.release(0)
+
+        stages += [(f"prefill {rows} prompts of {size} together", functools.partial(together, rows, size))
+                   for rows, size in self.together_shapes()]  # fmt: skip
+        # last of the prefill stages: it resets the prefix cache's counts
         stages.append(("prefix cache and insert", cache_and_insert))
         stages += [(f"decode {a} positions x {b} rows x {self.call_steps[b]} steps", functools.partial(decode, a, b))
                    for a in self.attend_buckets for b in self.batch_buckets]  # fmt: skip

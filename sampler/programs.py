@@ -39,6 +39,8 @@ class StepOut(NamedTuple):
 class Programs(NamedTuple):
     fresh: Any  # () -> an empty prefix cache [L, 1, Hkv, S, D]
     chunk: Any  # (params, cache, tokens [size], start; attend_len) -> (cache, hidden [size, H])
+    # (params, tokens [P, size], last [P]; attend_len) -> (P prefix caches [L, 1, Hkv, attend_len, D], P logits [V])
+    chunk_together: Any
     chunk_logprobs: Any  # (params, hidden [size, H], targets [size]) -> ChunkLogprobs
     last_logits: Any  # (params, hidden [size, H], index) -> logits [V]
     insert: Any  # (state, prefix, last_logits, slot, prompt_len, SlotSampling, allowed [W]) -> (state, (StepOut, done))
@@ -140,6 +142,19 @@ def chunk_program(m: Llama, cache: KVCache, tokens: jax.Array, start, attend_len
     pos = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
     h, cache = m(tokens[None], pos[None], cache, attend_len)
     return cache, h[0]
+
+
+def chunk_together_program(m: Llama, tokens: jax.Array, last: jax.Array, attend_len: int, dtype):
+    """Short prompts, one per row from position 0 (tokens [P, size]; last [P]: each one's last index), in one
+    program: each prompt's prefix cache [L, 1, Hkv, attend_len, D] and its last token's logits [V]. A row's
+    products give the same numbers whatever the number of rows (>= 2; llama.py), and each row's logits are its
+    own one-row product as in `last_logits`, so a prompt's prefix is the one a `chunk` of its own would make."""
+    P, size = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (P, size))
+    hidden, cache = m(tokens, pos, init_cache(m.cfg, P, attend_len, dtype), attend_len)
+    caches = tuple(KVCache(cache.k[:, r : r + 1], cache.v[:, r : r + 1]) for r in range(P))
+    logits = tuple(m.logits(jax.lax.dynamic_index_in_dim(h, i, keepdims=False)) for h, i in zip(hidden, last))
+    return caches, logits
 
 
 def chunk_logprobs_program(
@@ -265,6 +280,10 @@ def build_programs(graphdef: Any, cfg: ProgramConfig, model_cfg, dtype, prefix_s
     def chunk(params, cache, tokens, start, attend_len: int):
         return chunk_program(model(params), cache, tokens, start, attend_len)
 
+    @functools.partial(jax.jit, static_argnames=("attend_len",))
+    def chunk_together(params, tokens, last, attend_len: int):
+        return chunk_together_program(model(params), tokens, last, attend_len, dtype)
+
     @jax.jit
     def chunk_logprobs(params, hidden, targets):
         return chunk_logprobs_program(model(params), hidden, targets, cfg)
@@ -294,5 +313,5 @@ def build_programs(graphdef: Any, cfg: ProgramConfig, model_cfg, dtype, prefix_s
     store = jax.jit(store_program, donate_argnums=(0,))
     store_logprobs = jax.jit(store_logprobs_program, donate_argnums=(0,))
     cached_logprobs = jax.jit(cached_logprobs_program)
-    return Programs(fresh_cache, chunk, chunk_logprobs, last_logits, insert, decode, release, store,
-                    store_logprobs, load, cached_logprobs)  # fmt: skip
+    return Programs(fresh_cache, chunk, chunk_together, chunk_logprobs, last_logits, insert, decode, release,
+                    store, store_logprobs, load, cached_logprobs)  # fmt: skip

@@ -46,6 +46,17 @@ def engine(embedded):
 
 
 @pytest.fixture(scope="session")
+def together_engine(embedded):
+    """An engine on `make serve`'s prefill settings (chunks of 128, sizes from 16), so short prompts are
+    prefilled together (`prefill_together`); warmed up without the prompt-logprob programs."""
+    from tpuserve.sampler.engine import JaxEngine
+
+    eng = JaxEngine(embedded, slots=16, max_seq_len=256, prefill_chunk=128, min_prefill_bucket=16)
+    eng.warm_up(prompt_logprobs=False)
+    return eng
+
+
+@pytest.fixture(scope="session")
 def hf_reference():
     """transformers + PyTorch on the same GGUF (test-only dependency): (model, tokenizer)."""
     torch = require_extra("torch")

@@ -46,16 +46,20 @@ def require_extra(module: str) -> ModuleType:
 
 
 def run_engine(
-    engine: Engine, requests: list[tuple[int, list[int], SlotParams]], want_prompt_logprobs: bool = False
+    engine: Engine,
+    requests: list[tuple[int, list[int], SlotParams]],
+    want_prompt_logprobs: bool = False,
+    together: bool = False,
 ) -> tuple[dict[int, Outputs], PromptLogprobs | None]:
     """Drive an engine directly: prefill and insert (slot, prompt ids, SlotParams) requests, `generate` until
     every one is done, release their slots. Returns per slot (ids, logprobs, top_ids, top_logprobs) lists and
-    the prompt logprobs of the first request."""
+    the prompt logprobs of the first request. `together`: the prompts go through one `prefill_together`."""
     out: dict[int, Outputs] = {slot: ([], [], [], []) for slot, _, _ in requests}
     live = set()
     prompt_lp = None
-    for slot, ids, params in requests:
-        prefix = engine.prefill(ids, want_prompt_logprobs)
+    prefixes = engine.prefill_together([ids for _, ids, _ in requests]) if together else None
+    for k, (slot, ids, params) in enumerate(requests):
+        prefix = prefixes[k] if together else engine.prefill(ids, want_prompt_logprobs)
         if prompt_lp is None:
             prompt_lp = engine.prompt_logprobs(prefix)
         first = engine.insert(prefix, slot, params)

@@ -64,6 +64,49 @@ def test_bit_identical_alone_beside_7_and_beside_63(engine, embedded, calls):
             assert np.array_equal(np.stack(other[3]), np.stack(ref[3]))  # top-20 logprobs
 
 
+def test_prompts_prefilled_together_match_each_alone(together_engine, embedded, monkeypatch):
+    """Short prompts prefilled in one program a group (`prefill_together`, on `make serve`'s chunk settings:
+    prompts of <= 16 tokens 8 a program, of 17-32 tokens 4) give each request the tokens and logprobs it gets
+    with its prompt prefilled alone, bit for bit: the first token (sampled from the prefill's logits) and the
+    decoded ones (read from the prefix's KV). Greedy and seeded. Warm-up compiles their programs."""
+    import jax
+
+    eng = together_engine
+    assert eng.together_shapes() == [(2, 16), (4, 16), (8, 16), (2, 32), (4, 32), (2, 64)]
+    compiles: list[str] = []
+
+    def on_event(name: str, *args, **kwargs) -> None:
+        if "backend_compile" in name:
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    text = embedded.tokenizer.encode(" ".join(PROMPTS * 4))
+    # 10 of size 16 (8 + 2 rows), 3 of size 32 (4 rows)
+    lengths = [5, 9, 12, 14, 15, 16, 16, 11, 7, 13, 17, 24, 31]
+    requests = [(s, text[s : s + n], GREEDY if s % 2 else SEEDED) for s, n in enumerate(lengths)]
+    assert [len(ids) for _, ids, _ in requests] == lengths
+    programs: list[tuple[int, int]] = []
+    original = eng.programs.chunk_together
+
+    def spy(params, tokens, last, attend_len):
+        programs.append(tokens.shape)
+        return original(params, tokens, last, attend_len=attend_len)
+
+    try:
+        alone, _ = run(eng, requests)
+        monkeypatch.setattr(eng, "programs", eng.programs._replace(chunk_together=spy))
+        together, _ = run(eng, requests, together=True)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert compiles == []
+    assert sorted(programs) == [(2, 16), (4, 32), (8, 16)]
+    for slot in alone:
+        for a, b in zip(alone[slot], together[slot], strict=True):
+            assert np.array_equal(np.array(a), np.array(b)), f"slot {slot}"
+    with pytest.raises(ValueError, match="prompts of 1"):
+        eng.prefill_together([text[:5], [1] * eng.prefill_chunk])
+
+
 def test_buckets_never_go_below_two_rows(embedded):
     """One row takes XLA:CPU's matrix-vector kernel, which rounds differently: buckets start at 2."""
     from tpuserve.sampler.engine import JaxEngine
