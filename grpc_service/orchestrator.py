@@ -13,9 +13,9 @@ Threads and what each owns:
 
 One turn: take every waiting command; admit waiting requests into free slots (they are then prefilled chunk by
 chunk: while others decode, at most about `prefill_budget` prompt tokens a turn, so a running stream never waits
-for more than about one chunk); insert them (the first token is sampled there); dispatch the next decode call
-unless nobody can use it; read back the previous call and the new first tokens; hand each request its events (a
-sample's tokens in one event).
+for more than about one chunk; consecutive prompts shorter than a chunk go through one `prefill_together`);
+insert them (the first token is sampled there); dispatch the next decode call unless nobody can use it; read
+back the previous call and the new first tokens; hand each request its events (a sample's tokens in one event).
 
 One call stays in flight (call k+1 is dispatched before call k is read, so detokenizing and streaming overlap
 the device) while no slot is free, or while calls are short (`overlap_max_call_s`, e.g. on an accelerator).
@@ -60,6 +60,7 @@ class _Running:
     outbox: list[Event] = field(default_factory=list)
     timed: set[int] = field(default_factory=set)  # samples whose first token has been timed
     prefill: Iterator[object] | None = None  # the engine's prefill steps, until the prefix is inserted
+    stepped: bool = False  # a prefill step has run (no longer to be prefilled together with others)
     constraints: dict[int, Constraint] = field(default_factory=dict)  # structured outputs: sample -> grammar
 
     def close_prefill(self) -> None:
@@ -323,7 +324,14 @@ class Orchestrator:
                 self._prefilling.popleft()
                 run.close_prefill()
                 continue
+            group = self._short_prompts(budget)
+            if len(group) > 1:
+                if budget is not None:
+                    budget -= sum(self.engine.prefill_cost(len(r.stream.job.prompt_ids)) for r in group)
+                self._prefill_together(group)
+                continue
             try:
+                run.stepped = True
                 prefix = next(run.prefill)
             except Exception as exc:
                 log.exception("prefill failed for request %s", run.stream.job.request_id)
@@ -336,6 +344,39 @@ class Orchestrator:
                 self._prefilling.popleft()
                 self._insert(run, prefix)
                 run.close_prefill()  # after the inserts: the prefix's blocks are in the slots now
+
+    def _short_prompts(self, budget: int | None) -> list[_Running]:
+        """The live runs at the head of the prefill queue whose prompts can be prefilled together (not started,
+        shorter than one chunk, no prompt logprobs), as many as the turn's budget takes (at least one)."""
+        group: list[_Running] = []
+        cost = 0
+        for run in self._prefilling:
+            n = len(run.stream.job.prompt_ids)
+            if run.stepped or run.stream.job.prompt_logprobs or n >= self.engine.prefill_chunk:
+                break
+            if self._running.get(id(run.stream)) is not run:
+                break
+            if budget is not None and group and cost >= budget:
+                break
+            group.append(run)
+            cost += self.engine.prefill_cost(n)
+        return group
+
+    def _prefill_together(self, group: list[_Running]) -> None:
+        for _ in group:
+            self._prefilling.popleft()
+        try:
+            jobs = [r.stream.job for r in group]
+            salts = [j.cache_salt for j in jobs]
+            prefixes = self.engine.prefill_together([list(j.prompt_ids) for j in jobs], salts)
+        except Exception as exc:
+            log.exception("prefill failed for requests %s", [r.stream.job.request_id for r in group])
+            for run in group:
+                self._fail(run, f"engine error: {exc}", _code(exc))
+            return
+        for run, prefix in zip(group, prefixes, strict=True):
+            self._insert(run, prefix)
+            run.close_prefill()  # never started: nothing to let go, but the iterator is done with
 
     def _insert(self, run: _Running, prefix: object) -> None:
         job = run.stream.job
@@ -393,7 +434,8 @@ class Orchestrator:
             self._fail_all(f"engine error: {exc}", code=_code(exc))
             return
         now = time.perf_counter()
-        self._call_s = now - max(call.dispatched, self._last_read)  # from its dispatch or the call before's end
+        # the call ran from its dispatch or from the end of the one before
+        self._call_s = now - max(call.dispatched, self._last_read)
         if self.on_generate is not None:
             self.on_generate(self._call_s)
         self._last_read = now

@@ -98,6 +98,7 @@ class FakeEngine(Engine):
         self.blocks: dict[tuple[str | None, tuple[int, ...]], None] = {}
         self.salts: list[str | None] = []  # cache_salt of each prefill, as `prefills`
         self.lookup_tokens = self.hit_tokens = self.evictions = 0
+        self.together: list[list[list[int]]] = []  # the prompts of each prefill_together call
         self.open_prefills = 0  # prefill_steps iterators started and not yet finished or closed
         self.abandoned: list[list[int]] = []  # prompts whose prefill steps were closed before the prefix
 
@@ -195,6 +196,13 @@ class FakeEngine(Engine):
             raise
         finally:
             self.open_prefills -= 1
+
+    def prefill_together(self, prompts: list[list[int]], cache_salts: list[str | None] | None = None) -> list:
+        """The prompts one by one, logged as one prefill step each; each call's prompts recorded in `together`."""
+        self.together.append([list(tokens) for tokens in prompts])
+        for _ in prompts:
+            self.log.append("prefill")
+        return super().prefill_together(prompts, cache_salts)
 
     def start_generate(self) -> Pending[StepArrays]:
         """Deferred until read, as the real engine's asynchronous dispatch: the orchestrator dispatches the next

@@ -418,6 +418,61 @@ def test_a_long_prompt_is_prefilled_between_decode_calls():
     assert samples(long)[0][-1].finish is Finish.LENGTH
 
 
+def test_short_prompts_waiting_together_are_prefilled_together():
+    """Prompts taken in the same turn that are shorter than a chunk and want no prompt logprobs go to the engine
+    in one `prefill_together` (in arrival order, with their salts); a prompt of a chunk or more, or one asking
+    for prompt logprobs, is prefilled on its own and ends the group. Every request gets its tokens."""
+    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3], slots=16, prefill_chunk=4, delay_s=0.3)
+    orch = make(engine, prefill_budget=100)
+    prompts = [(1, 2), (2, 3, 1), (1, 2, 3, 1), (3,), (1,), (2,), (3, 1)]  # (1, 2, 3, 1): a whole chunk
+    jobs = [job(prompt=p, max_tokens=3, plp=(i == 4), cache_salt="s" if i == 1 else None)
+            for i, p in enumerate(prompts)]  # fmt: skip
+
+    async def main():
+        running = orch.submit(job(prompt=(2, 2), max_tokens=400))
+        await running.events().__anext__()  # decoding: each call takes 0.3 s; the others arrive during one
+        streams = [orch.submit(j) for j in jobs]
+        results = [[e async for e in st.events()] for st in streams]
+        orch.cancel(running)
+        return results
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        orch.close()
+    assert engine.together == [[[1, 2], [2, 3, 1]], [[2], [3, 1]]]
+    assert engine.salts[engine.prefills.index([2, 3, 1])] == "s"
+    assert sorted(map(tuple, engine.prefills)) == sorted([(2, 2), *prompts])  # each prompt prefilled once
+    for events in results:
+        last = samples(events)[0][-1]
+        assert last.finish is Finish.LENGTH and last.completion_tokens == 3
+
+
+def test_a_failed_prefill_together_fails_its_requests_only():
+    """The engine raising in `prefill_together` fails the requests of that call, and serving goes on."""
+    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3], slots=16, prefill_chunk=4, delay_s=0.3)
+    engine.fail_prefill = lambda tokens: tokens == [3, 3]
+    orch = make(engine, prefill_budget=100)
+
+    async def main():
+        running = orch.submit(job(prompt=(2, 2), max_tokens=400))
+        await running.events().__anext__()
+        streams = [orch.submit(job(prompt=p, max_tokens=3)) for p in ((1,), (3, 3), (2,))]
+        results = [[e async for e in st.events()] for st in streams]
+        later = await collect(orch, job(prompt=(1, 1), max_tokens=2))
+        orch.cancel(running)
+        return results, later
+
+    try:
+        results, later = asyncio.run(main())
+    finally:
+        orch.close()
+    assert engine.together[0] == [[1], [3, 3], [2]]
+    assert all(isinstance(events[-1], ErrorEvent) and "prefill" in events[-1].message for events in results)
+    assert samples(later)[0][-1].finish is Finish.LENGTH
+    assert orch.free_slots == engine.slots
+
+
 def test_no_decode_call_nobody_needs():
     """When the call in flight already brings every sample to its max_tokens, no further call is dispatched (a
     request arriving next would otherwise wait for a call whose tokens nobody wants)."""

@@ -200,3 +200,56 @@ def test_special_alternatives_carry_their_text(real_backend, embedded):
     for a in specials:
         assert a.special and a.special_text == tok.token_text(a.token_id) and a.token_bytes == b""
     assert all(not a.special and a.special_text == "" for a in alts if a.token_id not in tok.special_ids)
+
+
+def test_short_prompts_arriving_together_stream_what_each_streams_alone(together_engine, embedded, monkeypatch):
+    """8 short prompts sent at once while another stream decodes are prefilled in one program (make serve's
+    prefill settings), and each streams the tokens and logprobs it streams when sent alone, greedy and seeded."""
+    import threading
+
+    from tests.grpc_service.conftest import ServerThread
+
+    rows: list[int] = []
+    original = together_engine.programs.chunk_together
+
+    def spy(params, tokens, last, attend_len):
+        rows.append(tokens.shape[0])
+        return original(params, tokens, last, attend_len=attend_len)
+
+    monkeypatch.setattr(together_engine, "programs", together_engine.programs._replace(chunk_together=spy))
+    server = ServerThread(together_engine, embedded.tokenizer, model_id=embedded.model_id)
+    texts = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "Roses are red,",
+             "1, 2, 3, 4,", "Dear diary, today", "The recipe begins with", "In a galaxy far away"]  # fmt: skip
+
+    def fields(i: int) -> dict:
+        sampling = pb.SamplingParams(temperature=0.0) if i % 2 else pb.SamplingParams(temperature=1.0, seed=i)
+        return dict(text=texts[i], sampling=sampling, stopping=pb.StoppingCriteria(max_tokens=6, ignore_eos=True),
+                    logprobs=pb.LogprobOptions(enabled=True, top_logprobs=3))  # fmt: skip
+
+    def streamed(responses) -> list[tuple]:
+        tokens, _, _ = samples(responses)[0]
+        return [(t.token_id, t.logprob, [(a.token_id, a.logprob) for a in t.top_logprobs]) for t in tokens]
+
+    try:
+        background = server.stub.Generate(
+            pb.GenerateRequest(text="Tell me a very long story.", sampling=pb.SamplingParams(temperature=0.0),
+                               stopping=pb.StoppingCriteria(max_tokens=200, ignore_eos=True)), timeout=120)  # fmt: skip
+        assert next(background).tokens  # decoding: the 8 below arrive during one of its decode calls
+        together: dict[int, list] = {}
+
+        def send(i: int) -> None:
+            together[i] = streamed(generate(server.stub, timeout=120, **fields(i)))
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(texts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        background.cancel()
+        assert max(rows) >= 4, f"rows of each prefill_together program: {rows}"
+        rows.clear()
+        for i in range(len(texts)):
+            assert streamed(generate(server.stub, timeout=120, **fields(i))) == together[i], texts[i]
+        assert rows == []  # one at a time: each prompt prefilled alone
+    finally:
+        server.close()
