@@ -324,10 +324,10 @@ class Orchestrator:
                 self._prefilling.popleft()
                 run.close_prefill()
                 continue
-            group = self._short_prompts(budget)
+            group, cost = self._short_prompts(budget)
             if len(group) > 1:
                 if budget is not None:
-                    budget -= sum(self.engine.prefill_cost(len(r.stream.job.prompt_ids)) for r in group)
+                    budget -= cost
                 self._prefill_together(group)
                 continue
             try:
@@ -345,9 +345,10 @@ class Orchestrator:
                 self._insert(run, prefix)
                 run.close_prefill()  # after the inserts: the prefix's blocks are in the slots now
 
-    def _short_prompts(self, budget: int | None) -> list[_Running]:
+    def _short_prompts(self, budget: int | None) -> tuple[list[_Running], int]:
         """The live runs at the head of the prefill queue whose prompts can be prefilled together (not started,
-        shorter than one chunk, no prompt logprobs), as many as the turn's budget takes (at least one)."""
+        shorter than one chunk, no prompt logprobs), as many as the turn's budget takes (at least one), and
+        their prefill cost."""
         group: list[_Running] = []
         cost = 0
         for run in self._prefilling:
@@ -360,7 +361,7 @@ class Orchestrator:
                 break
             group.append(run)
             cost += self.engine.prefill_cost(n)
-        return group
+        return group, cost
 
     def _prefill_together(self, group: list[_Running]) -> None:
         for _ in group:

@@ -279,8 +279,8 @@ class JaxEngine(Engine):
         if self.mesh is not None:
             return []
         C = self.prefill_chunk
-        return [(rows, size) for size in self.chunk_sizes if size < C
-                for rows in power_of_two_buckets(2, C // size) if 2 <= rows and rows * size <= C]  # fmt: skip
+        return [(rows, size) for size in self.chunk_sizes if C // size >= 2
+                for rows in power_of_two_buckets(2, C // size)]  # fmt: skip
 
     def prefill_together(
         self, prompts: list[list[int]], cache_salts: list[str | None] | None = None
@@ -297,13 +297,14 @@ class JaxEngine(Engine):
             groups.setdefault(bucket_for(len(tokens), self.chunk_sizes), []).append(i)
         shapes = self.together_shapes()
         for size, members in groups.items():
-            most = max((rows for rows, s in shapes if s == size), default=1)
+            row_buckets = [rows for rows, s in shapes if s == size]
+            most = row_buckets[-1] if row_buckets else 1
             for first in range(0, len(members), most):
                 group = members[first : first + most]
                 if len(group) == 1:
                     prefixes[group[0]] = self.prefill(prompts[group[0]], cache_salt=salts[group[0]])
                     continue
-                rows = bucket_for(len(group), [r for r, s in shapes if s == size])
+                rows = bucket_for(len(group), row_buckets)
                 tokens, last = np.zeros((rows, size), np.int32), np.zeros(rows, np.int32)
                 for r, i in enumerate(group):
                     tokens[r, : len(prompts[i])] = prompts[i]
@@ -491,7 +492,7 @@ class JaxEngine(Engine):
                   for (size, attend), start in sorted(shapes.items())]  # fmt: skip
 
         def together(rows: int, size: int) -> None:  # and an insert of such a prefix (its own cache shape)
-            prefixes = self.prefill_together([[1] * min(size, self.prefill_chunk - 1)] * rows)
+            prefixes = self.prefill_together([[1] * size] * rows)  # size < C
             self.insert(prefixes[0], 0, params)
             self.release(0)
 

@@ -318,27 +318,6 @@ def test_one_event_per_sample_per_decode_call():
         assert evs[-1].finish is Finish.LENGTH and evs[-1].completion_tokens == 9
 
 
-def test_one_decode_call_stays_in_flight():
-    """Call k+1 is dispatched before call k is read (host work overlaps the device)."""
-    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3], steps_per_call=2)
-    dispatched, read = [], []
-    start = engine.start_generate
-
-    def spy():
-        dispatched.append(len(read))  # how many calls had been read when this one was dispatched
-        pending = start()
-        return type(pending)(lambda: read.append(1) or pending.result())
-
-    engine.start_generate = spy
-    orch = make(engine)
-    try:
-        asyncio.run(collect(orch, job(max_tokens=11)))
-    finally:
-        orch.close()
-    assert len(dispatched) >= 5
-    assert dispatched[:3] == [0, 0, 1]  # the second call goes out before the first is read
-
-
 def _spy_dispatches(engine: FakeEngine) -> list[int]:
     """Records, at each decode call's dispatch, how many calls had been read; logs "dispatch" in engine.log (the
     fake computes a call, logging "generate", when it is read)."""
@@ -352,6 +331,19 @@ def _spy_dispatches(engine: FakeEngine) -> list[int]:
 
     engine.start_generate = spy
     return dispatched
+
+
+def test_one_decode_call_stays_in_flight():
+    """Call k+1 is dispatched before call k is read (host work overlaps the device)."""
+    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3], steps_per_call=2)
+    dispatched = _spy_dispatches(engine)
+    orch = make(engine)
+    try:
+        asyncio.run(collect(orch, job(max_tokens=11)))
+    finally:
+        orch.close()
+    assert len(dispatched) >= 5
+    assert dispatched[:3] == [0, 0, 1]  # the second call goes out before the first is read
 
 
 def test_long_calls_are_read_in_their_turn_while_a_slot_is_free():
