@@ -11,6 +11,7 @@ from typing import Any
 from tpuserve.cli import jsonlog, settings
 from tpuserve.grpc_service import settings as backend
 from tpuserve.grpc_service.settings import ENGINE_FLAGS, ServerSettings
+from tpuserve.sampler import xla_flags
 from tpuserve.sampler.config import EngineConfig
 
 
@@ -38,6 +39,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ServerSettings, EngineConfig
 def main(argv: Sequence[str] | None = None) -> int:
     server, engine = parse_args(argv)
     jsonlog.setup("INFO", server.log_format)
+    xla_flags.set_defaults()  # XLA reads XLA_FLAGS when its first backend starts
     from tpuserve.grpc_service.server import main as backend_main  # the engine (JAX): only to serve
 
     return backend_main(settings=(server, engine))
