@@ -36,11 +36,12 @@ def set_defaults(environ: MutableMapping[str, str] | None = None) -> str | None:
     """Add the scheduler flag to `XLA_FLAGS` unless a scheduler is named there already; returns the flag added,
     or None. Call it before anything starts a JAX backend (`jax.devices()`, the first array): after that it
     only logs that the programs run on XLA's default scheduler (slower on CPU, the same results)."""
+    process = environ is None  # this process's environment: too late once JAX's backend started
     environ = os.environ if environ is None else environ
     flags = environ.get("XLA_FLAGS", "")
     if any(name in flags for name in SCHEDULER_FLAGS):
         return None
-    if "jax" in sys.modules:  # never imports JAX itself (the CLI calls this first)
+    if process and "jax" in sys.modules:  # never imports JAX itself (the CLI calls this first)
         from jax._src import xla_bridge
 
         if xla_bridge.backends_are_initialized():
