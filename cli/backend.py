@@ -39,7 +39,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ServerSettings, EngineConfig
 def main(argv: Sequence[str] | None = None) -> int:
     server, engine = parse_args(argv)
     jsonlog.setup("INFO", server.log_format)
-    xla_flags.set_defaults()  # XLA reads XLA_FLAGS when its first backend starts
+    xla_flags.set_defaults()  # before JAX starts: a multi-process mesh check does so before load_engine
     from tpuserve.grpc_service.server import main as backend_main  # the engine (JAX): only to serve
 
     return backend_main(settings=(server, engine))
