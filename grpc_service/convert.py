@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tpuserve.grpc_service.jobs import Finish, SampleEvent
@@ -41,32 +41,26 @@ class TokenConverter:
             special_text=self._tokenizer.token_text(token_id) if special else "",
         )
 
-    def _alternatives(self, ids: np.ndarray, logprobs: np.ndarray) -> list[pb.TopLogprob]:
-        """ids, logprobs: [K] -> the top `self._top`, sorted by logprob descending."""
-        order = np.argsort(-np.asarray(logprobs, np.float64), kind="stable")[: self._top]
-        out = []
-        for k in order.tolist():
-            token_id = int(ids[k])
-            if not 0 <= token_id < len(self._bytes):
+    def _alternatives(self, dest: Any, ids: np.ndarray, logprobs: np.ndarray) -> None:
+        """ids, logprobs: [K], sorted by logprob descending (the engine's contract: `TokenOut`, `PromptLogprobs`)
+        -> the first `self._top`, added to `dest` (a token's top_logprobs). Host work per token under load (20
+        alternatives each), so no re-sort, no numpy scalars and no message copies (`add` builds in place)."""
+        vocab = len(self._bytes)
+        for token_id, logprob in zip(ids[: self._top].tolist(), logprobs[: self._top].tolist(), strict=True):
+            if not 0 <= token_id < vocab:
                 continue
-            special = token_id in self._special
-            out.append(
-                pb.TopLogprob(
-                    token_id=token_id,
-                    token_bytes=self._bytes[token_id],
-                    logprob=float(logprobs[k]),
-                    special=special,
-                    special_text=self._tokenizer.token_text(token_id) if special else "",
-                )
-            )
-        return out
+            if token_id in self._special:
+                dest.add(token_id=token_id, token_bytes=self._bytes[token_id], logprob=logprob, special=True,
+                         special_text=self._tokenizer.token_text(token_id))  # fmt: skip
+            else:
+                dest.add(token_id=token_id, token_bytes=self._bytes[token_id], logprob=logprob)
 
     def generated(self, index: int, out: TokenOut) -> pb.Token:
         token = self.token(index, out.token_id)
         if self._logprobs:
             token.logprob = out.logprob
             if self._top:
-                token.top_logprobs.extend(self._alternatives(out.top_ids, out.top_logprobs))
+                self._alternatives(token.top_logprobs, out.top_ids, out.top_logprobs)
         return token
 
     def prompt(self, ids: tuple[int, ...], logprobs: PromptLogprobs | None) -> list[pb.Token]:
@@ -76,8 +70,8 @@ class TokenConverter:
             for j, token in enumerate(tokens[1:], start=1):
                 token.logprob = float(logprobs.logprobs[j - 1])
                 if self._top:
-                    token.top_logprobs.extend(
-                        self._alternatives(logprobs.top_ids[j - 1], logprobs.top_logprobs[j - 1])
+                    self._alternatives(
+                        token.top_logprobs, logprobs.top_ids[j - 1], logprobs.top_logprobs[j - 1]
                     )
         return tokens
 

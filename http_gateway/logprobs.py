@@ -8,6 +8,7 @@ raw bytes, never re-encoded from text; a special token's `bytes` are null. -inf 
 from __future__ import annotations
 
 import math
+from operator import itemgetter
 
 from tpuserve.http_gateway.response_models import (
     ChoiceLogprobs,
@@ -41,8 +42,14 @@ def token_logprob(token: pb.Token) -> float | None:
     return finite(token.logprob) if token.HasField("logprob") else None
 
 
+def _descending(t: pb.TopLogprob) -> float:
+    return -finite(t.logprob)
+
+
 def _sorted_top(token: pb.Token, k: int) -> list[pb.TopLogprob]:
-    return sorted(token.top_logprobs, key=lambda t: -finite(t.logprob))[:k]
+    """The k most likely alternatives, highest first (the backend sends them in this order; sorting an ordered
+    list is one pass)."""
+    return sorted(token.top_logprobs, key=_descending)[:k]
 
 
 # ---- chat -----------------------------------------------------------------------------------------------
@@ -115,14 +122,15 @@ class CompletionLogprobs:
         """Top k alternatives plus the sampled token; equal token strings keep the higher logprob."""
         if self.k <= 0 or logprob is None:
             return None
+        pairs = [(token_text(t), finite(t.logprob)) for t in token.top_logprobs]
+        pairs.sort(key=itemgetter(1), reverse=True)  # stable: ties keep the backend's order, as _sorted_top
         best: dict[str, float] = {}
-        for t in _sorted_top(token, self.k):
-            key, lp = token_text(t), finite(t.logprob)
-            if key not in best or lp > best[key]:
-                best[key] = lp
-        if text not in best or logprob > best[text]:
+        for key, lp in pairs[: self.k]:  # descending: the first of equal strings has the higher logprob
+            best.setdefault(key, lp)
+        if best.get(text, -math.inf) < logprob:
             best[text] = logprob
-        return dict(sorted(best.items(), key=lambda kv: -kv[1]))
+            return dict(sorted(best.items(), key=lambda kv: -kv[1]))
+        return best  # already in descending order
 
     def out(self, start: int = 0) -> CompletionLogprobsOut:
         """The entries from token `start` on (a streamed chunk takes only its new tokens)."""

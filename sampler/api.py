@@ -93,7 +93,8 @@ class StepArrays:
 class PromptLogprobs:
     """Logprobs of prompt tokens 1..L-1, each given its prefix (token 0 has none).
 
-    logprobs: [L-1]; top_ids, top_logprobs: [L-1, K]; entry j belongs to prompt token j+1.
+    logprobs: [L-1]; top_ids, top_logprobs: [L-1, K], each row sorted by logprob descending; entry j belongs to
+    prompt token j+1.
     """
 
     logprobs: np.ndarray
