@@ -43,7 +43,9 @@ from tpuserve.sampler.state import init_decode_state, slot_sampling
 
 log = logging.getLogger(__name__)
 
-MIN_BATCH_BUCKET = 2  # one row takes another kernel (a matrix-vector product) that rounds differently
+# One row takes another kernel (a matrix-vector product) that rounds differently. Only from 8 rows up is the
+# whole decode step bit-identical across buckets on XLA:CPU (2 and 4 rows round differently: README, Engine).
+MIN_BATCH_BUCKET = 2
 # a prefix and the pool's blocks are split over KV heads only (a prefix has one row; blocks are not slots)
 PREFIX_RULES = ShardingRules({**DEFAULT_RULES, "batch": None})
 
