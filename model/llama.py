@@ -210,13 +210,21 @@ class Llama(nnx.Module):
         return isinstance(self.layers, Block)
 
     def __call__(
-        self, tokens: jax.Array, positions: jax.Array, cache: KVCache, attend_len: int
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        attend_len: int,
+        live_rows: int | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """tokens, positions: [B, T] int32 (contiguous positions per row) for cache rows 0..B-1 (the cache may
         hold more rows: decode runs on the smallest batch bucket that covers the live slots).
 
         Writes the T new keys/values at their positions, attends over the first `attend_len` (static) cached
         positions, and returns the final hidden states [B, T, H] (apply `logits` where needed) and the cache.
+        `live_rows` (static): only rows 0..live_rows-1 matter; the weight products skip the others (zeros), while
+        every other operation still sees B rows (see sampler.programs.decode_program: XLA:CPU rounds the norms,
+        rotary embedding and softmax of fewer than 8 rows differently, its products do not).
         """
         cfg = self.cfg
         B, T = tokens.shape
@@ -231,9 +239,15 @@ class Llama(nnx.Module):
             mask &= key_pos[None, None, :] > positions[:, :, None] - cfg.sliding_window
         reduce_scores = decode_scores_by_reduce(T)
 
+        def product(a: jax.Array, w: Any) -> jax.Array:
+            if live_rows is None or live_rows >= B:
+                return linear(a, w)
+            y = linear(a[:live_rows], w)
+            return jnp.concatenate([y, jnp.zeros((B - live_rows, *y.shape[1:]), y.dtype)])
+
         def block(x, k_cache, v_cache, li, p):
             h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-            qkv = linear(h, p["wqkv"])  # [B, T, Hkv, (G+2)*D]
+            qkv = product(h, p["wqkv"])  # [B, T, Hkv, (G+2)*D]
             if cfg.attention_bias:
                 qkv = qkv + p["bqkv"]
             qkv = qkv.reshape(B, T, Hkv, G + 2, D)
@@ -263,10 +277,10 @@ class Llama(nnx.Module):
                     "bkgta,bkad->btkgd", probs, vals.astype(q.dtype), precision=quant.precision(q.dtype)
                 )
             attn = attn.reshape(B, T, Hq * D)
-            x = x + linear(attn, p["wo"])
+            x = x + product(attn, p["wo"])
             h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-            gate_up = linear(h, p["w_gate_up"])  # [B, T, 2, I]
-            x = x + linear(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], p["w_down"])
+            gate_up = product(h, p["w_gate_up"])  # [B, T, 2, I]
+            x = x + product(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], p["w_down"])
             return x, k_cache, v_cache
 
         k_cache, v_cache = cache.k, cache.v

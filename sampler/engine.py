@@ -43,9 +43,10 @@ from tpuserve.sampler.state import init_decode_state, slot_sampling
 
 log = logging.getLogger(__name__)
 
-# One row takes another kernel (a matrix-vector product) that rounds differently. Only from 8 rows up is the
-# whole decode step bit-identical across buckets on XLA:CPU (2 and 4 rows round differently: README, Engine).
-MIN_BATCH_BUCKET = 2
+MIN_BATCH_BUCKET = 2  # one row takes another kernel (a matrix-vector product) that rounds differently
+# XLA:CPU rounds a decode step's norms, rotary embedding, softmax and sampling of 2 or 4 rows differently from 8 or
+# more (its products are the same from 2 rows up): smaller buckets run those on 8 rows (ProgramConfig).
+INVARIANT_ROWS = 8
 # a prefix and the pool's blocks are split over KV heads only (a prefix has one row; blocks are not slots)
 PREFIX_RULES = ShardingRules({**DEFAULT_RULES, "batch": None})
 
@@ -101,6 +102,7 @@ class JaxEngine(Engine):
         prefill_chunk: int = 128,
         min_attend_bucket: int = 128,
         min_batch_bucket: int | None = 8,
+        steps_per_call_rows: int | None = None,
         prefix_cache: bool = True,
         prefix_cache_bytes: int | None = None,
         processed_logprobs: bool = False,
@@ -125,12 +127,13 @@ class JaxEngine(Engine):
         # None: always all slots. Buckets never go below 2 rows (a 1-row product rounds differently).
         smallest = max(min_batch_bucket or slots, MIN_BATCH_BUCKET)
         self.batch_buckets = power_of_two_buckets(min(smallest, slots), slots)
-        # N per batch bucket: steps_per_call on the smallest, fewer on larger ones (rows x steps no more than the
-        # smallest bucket's, but at least min_steps_per_call), so a call lasts about as long whatever the load
-        # and a request that arrives waits for about one such call, not for N steps of 64 rows.
+        # N per batch bucket: steps_per_call on buckets of up to steps_per_call_rows rows (default: the smallest),
+        # fewer on larger ones (rows x steps no more than N x those rows, but at least min_steps_per_call), so a
+        # call lasts about as long whatever the load and a request that arrives waits for about one such call,
+        # not for N steps of 64 rows.
         floor = min(min_steps_per_call, steps_per_call)
-        work = steps_per_call * self.batch_buckets[0]
-        self.call_steps = {b: max(floor, work // b) for b in self.batch_buckets}
+        work = steps_per_call * max(steps_per_call_rows or 0, self.batch_buckets[0])
+        self.call_steps = {b: max(floor, min(steps_per_call, work // b)) for b in self.batch_buckets}
         if scan_layers is None:  # EngineConfig.scan_layers: unrolled layers decode 2.1x faster on an H200
             scan_layers = jax.default_backend() == "cpu"
         self.scan_layers = scan_layers
@@ -143,8 +146,9 @@ class JaxEngine(Engine):
         self.kv_cache_bytes = cache_bytes(loaded.config, slots, max_seq_len, dtype)
         self.mesh = mesh
         self.state = self._place(init_decode_state(loaded.config, slots, max_seq_len, dtype))
-        cfg = ProgramConfig(K=MAX_TOP_LOGPROBS, chunk=self.prefill_chunk,
-                            max_seq_len=max_seq_len, processed_logprobs=processed_logprobs)  # fmt: skip
+        cfg = ProgramConfig(K=MAX_TOP_LOGPROBS, chunk=self.prefill_chunk, max_seq_len=max_seq_len,
+                            processed_logprobs=processed_logprobs,
+                            invariant_rows=INVARIANT_ROWS if jax.default_backend() == "cpu" else 0)  # fmt: skip
         self.prefix_dtype = module.dtype
         self.programs = build_programs(
             self.graphdef, cfg, self.config, self.prefix_dtype, self._prefix_sharding()

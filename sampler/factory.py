@@ -38,6 +38,7 @@ def load_engine(cfg: EngineConfig) -> tuple[JaxEngine, Tokenizer, str]:
         prefill_chunk=cfg.prefill_chunk,
         min_attend_bucket=cfg.min_attend_bucket,
         min_batch_bucket=cfg.min_batch_bucket,
+        steps_per_call_rows=cfg.steps_per_call_rows,
         prefix_cache=cfg.prefix_cache,
         prefix_cache_bytes=cfg.prefix_cache_bytes,
         processed_logprobs=cfg.processed_logprobs,

@@ -25,6 +25,10 @@ class ProgramConfig:
     chunk: int  # C: prompts are prefilled in chunks of at most C that start at multiples of C (cache blocks)
     max_seq_len: int
     processed_logprobs: bool = False
+    # A decode bucket of fewer rows computes every operation but the weight products on this many rows (the
+    # following free slots, inert): XLA:CPU rounds the norms, rotary embedding, softmax and sampling of fewer than 8
+    # rows differently, so this keeps a request's results bit-identical from 2 rows up (0: off, other backends).
+    invariant_rows: int = 0
 
 
 class StepOut(NamedTuple):
@@ -233,14 +237,25 @@ def decode_program(m: Llama, state: DecodeState, allowed, steps_now, attend_len:
     covering every occupied slot); `steps_now` (traced, 1..N) of them run, so a call whose tokens need the host
     between steps (a constrained row's next mask) costs one step, not N, with no other program. Finished and
     empty slots are masked, not branched. allowed: [slots, W] token bitmasks. Outputs are [N, batch]; steps past
-    steps_now are not valid."""
-    small = jax.tree.map(lambda a: a[:batch], state.replace(cache=None))
-    masks = allowed[:batch]
+    steps_now are not valid.
+
+    Under cfg.invariant_rows (XLA:CPU) a bucket of fewer rows runs on that many (the slots after the bucket are
+    free: inactive, and their keys and values are not written) with its weight products on `batch` rows only."""
+    slots = state.lengths.shape[0]
+    width = min(slots, max(batch, cfg.invariant_rows))
+    small = jax.tree.map(lambda a: a[:width], state.replace(cache=None))
+    masks = allowed[:width]
+    live = jnp.arange(width) < batch
 
     def step(s, cache):
         positions = jnp.minimum(s.lengths, cfg.max_seq_len - 1)
-        hidden, cache = m(s.last[:, None], positions[:, None], cache, attend_len)
-        out = step_outputs(m.logits(hidden[:, 0]), s.sampling, positions + 1, cfg, masks)
+        # rows past the bucket write their keys and values nowhere (out of range: dropped)
+        written = jnp.where(live, positions, cfg.max_seq_len)
+        hidden, cache = m(s.last[:, None], written[:, None], cache, attend_len, live_rows=batch)
+        logits = m.logits(hidden[:batch, 0])
+        if width > batch:
+            logits = jnp.concatenate([logits, jnp.zeros((width - batch, logits.shape[-1]), logits.dtype)])
+        out = step_outputs(logits, s.sampling, positions + 1, cfg, masks)
         valid = s.active
         lengths = jnp.where(valid, s.lengths + 1, s.lengths)
         generated = jnp.where(valid, s.generated + 1, s.generated)
@@ -261,8 +276,8 @@ def decode_program(m: Llama, state: DecodeState, allowed, steps_now, attend_len:
     _, small, cache, outs = jax.lax.while_loop(
         lambda c: c[0] < bound, body, (jnp.int32(0), small, state.cache, empty)
     )
-    merged = jax.tree.map(lambda full, part: full.at[:batch].set(part), state.replace(cache=None), small)
-    return merged.replace(cache=cache), outs
+    merged = jax.tree.map(lambda full, part: full.at[:width].set(part), state.replace(cache=None), small)
+    return merged.replace(cache=cache), jax.tree.map(lambda a: a[:, :batch], outs)
 
 
 def build_programs(graphdef: Any, cfg: ProgramConfig, model_cfg, dtype, prefix_sharding=None) -> Programs:

@@ -30,6 +30,8 @@ ENGINE_SETTINGS = {
     "min_prefill_bucket": 32,
     "prefill_chunk": 32,  # prefix-cache blocks of 32 tokens: tests share prompt prefixes across requests
     "min_attend_bucket": 128,
+    "min_batch_bucket": 2,  # as served (EngineConfig): one request decodes on 2 rows, 8 steps a call
+    "steps_per_call_rows": 8,
 }
 
 

@@ -1,6 +1,6 @@
 """Decode runs on the smallest batch bucket that covers the occupied slots, and a request's tokens and logprobs
-are bit-identical whatever the bucket: alone (8 rows, 8 steps per call), beside 7 others (16 rows, 4 steps: it
-sits in slot 12), beside 63 others (64 rows, 1 step). Real weights; greedy and seeded sampling. Also: every bit
+are bit-identical whatever the bucket: alone (2 rows, 8 steps per call), beside 1 other (4 rows), beside 7 others
+(16 rows, 4 steps: it sits in slot 12), beside 63 others (64 rows, 1 step). Real weights; greedy and seeded sampling. Also: every bit
 of a 64-bit seed counts."""
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ SEEDED = SlotParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=77)
 
 def test_bit_identical_alone_beside_7_and_beside_63(engine, embedded, calls):
     """A greedy and a seeded request (slots s, s+1) alone, beside 7 others and beside 62 others."""
-    assert engine.batch_buckets == [8, 16, 32, 64]
+    assert engine.batch_buckets == [2, 4, 8, 16, 32, 64]
+    assert engine.call_steps == {2: 8, 4: 8, 8: 8, 16: 4, 32: 2, 64: 1}
     tok = embedded.tokenizer
     ids = tok.encode(PROMPTS[0])
 
@@ -49,14 +50,20 @@ def test_bit_identical_alone_beside_7_and_beside_63(engine, embedded, calls):
 
     calls.clear()
     alone, _ = run(engine, mine(0))
-    assert set(calls) == {(8, 8)}, "requests in slots 0-1 decode on the 8-row bucket, 8 steps a call"
+    assert set(calls) == {(2, 8)}, "requests in slots 0-1 decode on the 2-row bucket, 8 steps a call"
+    calls.clear()
+    one, _ = run(engine, _others(tok, [2]) + mine(0))
+    assert (4, 8) in calls, "slot 2 needs the 4-row bucket"
     calls.clear()
     seven, _ = run(engine, _others(tok, range(7)) + mine(12))
     assert set(calls) == {(16, 4)}, "slots 12-13 need the 16-row bucket (4 steps a call)"
     calls.clear()
     crowded, _ = run(engine, _others(tok, range(2, 64)) + mine(0))
     assert (64, 1) in calls
-    for ref, others in ((alone[0], (seven[12], crowded[0])), (alone[1], (seven[13], crowded[1]))):
+    for ref, others in (
+        (alone[0], (one[0], seven[12], crowded[0])),
+        (alone[1], (one[1], seven[13], crowded[1])),
+    ):
         for other in others:
             assert other[0] == ref[0]  # token ids
             assert np.array_equal(np.array(other[1]), np.array(ref[1]))  # sampled-token logprobs, bit for bit
@@ -113,6 +120,20 @@ def test_buckets_never_go_below_two_rows(embedded):
 
     eng = JaxEngine(embedded, slots=4, max_seq_len=64, min_batch_bucket=1)
     assert eng.batch_buckets == [2, 4]
+
+
+def test_steps_per_call_hold_up_to_steps_per_call_rows_then_scale_down(embedded):
+    """N steps on buckets of up to steps_per_call_rows rows, rows x steps held above; by default (None) from the
+    smallest bucket; never below min_steps_per_call."""
+    from tpuserve.sampler.engine import JaxEngine
+
+    def steps(**kw) -> dict[int, int]:
+        engine = JaxEngine(embedded, slots=16, max_seq_len=64, min_batch_bucket=2, steps_per_call=8, **kw)
+        return engine.call_steps
+
+    assert steps(steps_per_call_rows=4) == {2: 8, 4: 8, 8: 4, 16: 2}
+    assert steps() == {2: 8, 4: 4, 8: 2, 16: 1}
+    assert steps(steps_per_call_rows=4, min_steps_per_call=4) == {2: 8, 4: 8, 8: 4, 16: 4}
 
 
 def test_seeds_differ_in_their_high_bits(engine, embedded):
