@@ -8,7 +8,6 @@ raw bytes, never re-encoded from text; a special token's `bytes` are null. -inf 
 from __future__ import annotations
 
 import math
-from operator import itemgetter
 
 from tpuserve.http_gateway.response_models import (
     ChoiceLogprobs,
@@ -122,11 +121,9 @@ class CompletionLogprobs:
         """Top k alternatives plus the sampled token; equal token strings keep the higher logprob."""
         if self.k <= 0 or logprob is None:
             return None
-        pairs = [(token_text(t), finite(t.logprob)) for t in token.top_logprobs]
-        pairs.sort(key=itemgetter(1), reverse=True)  # stable: ties keep the backend's order, as _sorted_top
         best: dict[str, float] = {}
-        for key, lp in pairs[: self.k]:  # descending: the first of equal strings has the higher logprob
-            best.setdefault(key, lp)
+        for t in _sorted_top(token, self.k):  # descending: the first of equal strings has the higher logprob
+            best.setdefault(token_text(t), finite(t.logprob))
         if best.get(text, -math.inf) < logprob:
             best[text] = logprob
             return dict(sorted(best.items(), key=lambda kv: -kv[1]))

@@ -1,7 +1,7 @@
 """Decode runs on the smallest batch bucket that covers the occupied slots, and a request's tokens and logprobs
 are bit-identical whatever the bucket: alone (2 rows, 8 steps per call), beside 1 other (4 rows), beside 7 others
-(16 rows, 4 steps: it sits in slot 12), beside 63 others (64 rows, 1 step). Real weights; greedy and seeded sampling. Also: every bit
-of a 64-bit seed counts."""
+(16 rows, 4 steps: it sits in slot 12), beside 63 others (64 rows, 1 step). Real weights; greedy and seeded
+sampling. Also: every bit of a 64-bit seed counts."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ SEEDED = SlotParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=77)
 
 
 def test_bit_identical_alone_beside_7_and_beside_63(engine, embedded, calls):
-    """A greedy and a seeded request (slots s, s+1) alone, beside 7 others and beside 62 others."""
+    """A greedy and a seeded request (slots s, s+1) alone, beside 1 other, beside 7 others and beside 62 others."""
     assert engine.batch_buckets == [2, 4, 8, 16, 32, 64]
     assert engine.call_steps == {2: 8, 4: 8, 8: 8, 16: 4, 32: 2, 64: 1}
     tok = embedded.tokenizer
