@@ -22,7 +22,7 @@ from tpuserve.model import checkpoint
 from tpuserve.model.config import ModelConfig, ModelLoadError, config_from_hf
 from tpuserve.model.embedded import EMBEDDED_MODEL_ID, default_model_path
 from tpuserve.model.llama import Llama, module_params
-from tpuserve.model.quant import INT8_PARAMS, is_quantized, map_fields, quantize_int8, tree_nbytes
+from tpuserve.model.quant import INT8_PARAMS, is_quantized, map_fields, quantize_int8, to_planar, tree_nbytes
 
 QUANTIZATION_MODES = ("none", "keep", "int8")
 # What a GGUF model is served as when no mode is asked for, chosen by measurement (`make bench --only quant`,
@@ -50,6 +50,8 @@ class LoadedModel:
         """The decoder over a copy of the weights in its own layout (`llama.module_params`): a stacked layer
         scan, or unrolled over per-layer arrays; with a mesh, placed by the sharding rules."""
         params = module_params(self.config, self.params, scan_layers)
+        if mesh is None and jax.default_backend() == "cpu":  # 4-bit values in row halves (quant.to_planar)
+            params = jax.tree.map(to_planar, params, is_leaf=is_quantized)
         if mesh is not None:
             from tpuserve.model.sharding import module_shardings
 

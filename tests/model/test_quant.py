@@ -12,13 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from tpuserve.model.config import ModelLoadError
 from tpuserve.model.gguf_file import tensor_array, tensor_quantized
 from tpuserve.model.llama import init_cache
 from tpuserve.model.loader import load_model
-from tpuserve.model.quant import QuantizedMatrix, is_quantized, quantize_int8
+from tpuserve.model.quant import QuantizedMatrix, is_quantized, linear, quantize_int8, to_planar
 
 from tests.model.test_gguf_reference import TEXT, teacher_forced
 
@@ -48,6 +49,42 @@ def test_blocks_dequantize_bit_identical_to_gguf(qtype: T) -> None:
     got = jax.jit(lambda m: m.dequantize())(jax.tree.map(jnp.asarray, kept))
     np.testing.assert_array_equal(np.asarray(got), expected)
     assert kept.nbytes <= 0.32 * expected.nbytes, (qtype.name, kept.nbytes / expected.nbytes)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K])
+def test_row_halves_give_the_block_orders_weights_and_products(qtype: T) -> None:
+    """XLA:CPU's layout of 4-bit values (quant.to_planar: byte j of a row holds input j and input j + in/2) holds the
+    same bytes and gives the GGUF block order's weights and products bit for bit, on 2 rows and on 64."""
+    rows, cols = 96, 1536
+    data = random_blocks(qtype, rows, cols, np.random.default_rng(7 + int(qtype)))
+    tensor = types.SimpleNamespace(name="t", tensor_type=qtype, shape=[cols, rows], data=data)
+    blocks = tensor_quantized(tensor, pathlib.Path("t.gguf"))
+    halves = to_planar(blocks)
+    assert (blocks.bits, blocks.planar, halves.planar) == (4, False, True)
+    assert halves.nbytes == blocks.nbytes and halves.shape == blocks.shape == (rows, cols)
+    assert not np.array_equal(halves.q, blocks.q)  # another byte order
+    expected = tensor_array(tensor, pathlib.Path("t.gguf"))
+    on_device = jax.tree.map(jnp.asarray, halves)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda m: m.dequantize())(on_device)), expected)
+    product = jax.jit(linear)
+    x = np.random.default_rng(0).standard_normal((64, cols)).astype(np.float32)
+    for n in (2, 64):
+        ours, block_order = product(x[:n], on_device), product(x[:n], jax.tree.map(jnp.asarray, blocks))
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(block_order))
+    assert to_planar(halves) is halves and to_planar(expected) is expected
+
+
+def test_an_unsharded_cpu_module_holds_row_halves_a_sharded_one_the_block_order(embedded) -> None:
+    """Row halves keep the input axis whole, so only a module without a mesh uses them."""
+    from tpuserve.model.sharding import make_mesh
+
+    def four_bit(module) -> list[QuantizedMatrix]:
+        leaves = jax.tree.leaves(nnx.state(module, nnx.Param), is_leaf=is_quantized)
+        return [w for w in leaves if is_quantized(w) and w.bits == 4]
+
+    plain, sharded = four_bit(embedded.module()), four_bit(embedded.module(mesh=make_mesh(1)))
+    assert len(plain) == len(sharded) == 4  # the stacked Q/K/V, O, gate/up and down products (Q4_1)
+    assert all(w.planar for w in plain) and not any(w.planar for w in sharded)
 
 
 # -- a tiny Llama GGUF whose matrices mix the kept types across layers -----------------------------------------
