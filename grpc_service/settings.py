@@ -65,7 +65,9 @@ class ServerSettings:
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
-    peer_timeout: float = 30.0  # a process silent this long (dead, stopped): NOT_SERVING, UNAVAILABLE, all exit 1
+    peer_timeout: float = (
+        30.0  # a process silent this long (dead, stopped): NOT_SERVING, UNAVAILABLE, all exit 1
+    )
     init_timeout: float = 300.0  # seconds every process waits for the others (and the coordinator) at start
 
     def __post_init__(self) -> None:
@@ -169,9 +171,13 @@ def parser(prog: str = "python -m tpuserve.grpc_service") -> argparse.ArgumentPa
         help="require client certificates signed by this CA (mutual TLS)",
     )
     g = p.add_argument_group("several processes (one model across the hosts of a TPU slice; README)")
-    g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address (jax.distributed)")
+    g.add_argument(
+        "--coordinator", default=None, metavar="HOST:PORT", help="process 0's address (jax.distributed)"
+    )
     g.add_argument("--num-processes", type=int, default=None, help="processes in the group")
-    g.add_argument("--process-id", type=int, default=None, help="this process's index; 0 serves, the others follow")
+    g.add_argument(
+        "--process-id", type=int, default=None, help="this process's index; 0 serves, the others follow"
+    )
     g.add_argument("--peer-timeout", type=float, default=None,
                    help="seconds a silent process is waited for, then every process exits 1 (30)")  # fmt: skip
     g.add_argument("--init-timeout", type=float, default=None,

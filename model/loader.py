@@ -164,7 +164,9 @@ def load_model(
         cfg = manifest["config"]
         shardings = param_shardings(cfg, mesh) if mesh is not None else None
         params = checkpoint.restore_params(path, cfg, jdtype, shardings, manifest.get("quantization", "none"))
-        if mode == "int8":  # an unquantized checkpoint served as int8, quantized on the host as from any source
+        if (
+            mode == "int8"
+        ):  # an unquantized checkpoint served as int8, quantized on the host as from any source
             # (quantize_int8 on the device rounds some scales an ulp apart: tests/model/test_hf_llama.py)
             params = {n: cast(n, np.asarray(a)) if n in INT8_PARAMS and not is_quantized(a) else a
                       for n, a in params.items()}  # fmt: skip

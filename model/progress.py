@@ -15,7 +15,9 @@ log = logging.getLogger("tpuserve.model.loader")
 
 
 class LoadProgress:
-    def __init__(self, desc: str, total: int | None = None, unit: str = "tensor", every_s: float = 5.0) -> None:
+    def __init__(
+        self, desc: str, total: int | None = None, unit: str = "tensor", every_s: float = 5.0
+    ) -> None:
         self.desc, self.total, self.unit, self.every_s = desc, total, unit, every_s
         self.count = 0
         self._bar = tqdm(desc=desc, total=total, unit=unit) if sys.stderr.isatty() else None
@@ -42,4 +44,6 @@ class LoadProgress:
         if self._bar is not None:
             self._bar.close()
         elif exc_type is None:
-            log.info("%s: %s %ss in %.1f s", self.desc, self._counted(), self.unit, time.monotonic() - self._start)
+            log.info(
+                "%s: %s %ss in %.1f s", self.desc, self._counted(), self.unit, time.monotonic() - self._start
+            )

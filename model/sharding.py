@@ -45,11 +45,15 @@ def make_mesh(model_parallel: int = 1, data_parallel: int = 1, devices=None) -> 
     devices = list(devices if devices is not None else jax.devices())
     need = model_parallel * data_parallel
     if need > len(devices):
-        raise ValueError(f"mesh data={data_parallel} x model={model_parallel} needs {need} devices, have {len(devices)}")
+        raise ValueError(
+            f"mesh data={data_parallel} x model={model_parallel} needs {need} devices, have {len(devices)}"
+        )
     return Mesh(np.array(devices[:need]).reshape(data_parallel, model_parallel), ("data", "model"))
 
 
-def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = None) -> dict[str, NamedSharding]:
+def param_shardings(
+    cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = None
+) -> dict[str, NamedSharding]:
     rules = rules or ShardingRules()
     return {
         name: NamedSharding(mesh, rules.spec(mesh, PARAM_AXES[name], shape))
@@ -63,7 +67,9 @@ def field_sharding(sharding: NamedSharding, name: str, shape: tuple[int, ...]) -
     return NamedSharding(sharding.mesh, ShardingRules().spec(sharding.mesh, PARAM_AXES[name], shape))
 
 
-def module_shardings(mesh: Mesh, params: dict[str, Any], rules: ShardingRules | None = None) -> dict[str, Any]:
+def module_shardings(
+    mesh: Mesh, params: dict[str, Any], rules: ShardingRules | None = None
+) -> dict[str, Any]:
     """Shardings for parameters in the module layout (`llama.module_params`), the same tree (a quantized matrix:
     one sharding per field, by the matrix's axes)."""
     rules = rules or ShardingRules()
@@ -82,7 +88,9 @@ def module_shardings(mesh: Mesh, params: dict[str, Any], rules: ShardingRules | 
     return out
 
 
-def cache_sharding(cfg: ModelConfig, mesh: Mesh, slots: int, max_len: int, rules: ShardingRules | None = None):
+def cache_sharding(
+    cfg: ModelConfig, mesh: Mesh, slots: int, max_len: int, rules: ShardingRules | None = None
+):
     rules = rules or ShardingRules()
     shape = (cfg.num_layers, slots, cfg.num_kv_heads, max_len, cfg.head_dim)
     return NamedSharding(mesh, rules.spec(mesh, CACHE_AXES, shape))

@@ -62,7 +62,7 @@ def load_hf_weights(
         for f in files:
             try:
                 with safe_open(str(f), framework="numpy") as st:
-                    for key in st.keys():
+                    for key in st.keys():  # noqa: SIM118 (safe_open has keys(), no __iter__)
                         _add(stacker, key, st.get_tensor(key), f)
                         bar.update()
             except SafetensorError as e:

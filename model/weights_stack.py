@@ -40,7 +40,9 @@ class LayerStacker:
             else:
                 raise ModelLoadError(f"{source}: missing tensor for parameter {name}")
             if tuple(arr.shape) != shape:
-                raise ModelLoadError(f"{source}: parameter {name} has shape {tuple(arr.shape)}, expected {shape}")
+                raise ModelLoadError(
+                    f"{source}: parameter {name} has shape {tuple(arr.shape)}, expected {shape}"
+                )
             out[name] = self.cast(name, arr)
         extra = sorted(set(self.top) | set(self.layers))
         if extra:

@@ -14,18 +14,25 @@ PROTOS = sorted((HERE / "tpuserve" / "v1").glob("*.proto"))
 
 
 def main() -> None:
+    import grpc_tools
     from grpc_tools import protoc  # dev-only dependency
 
-    import grpc_tools
-
     include = str(pathlib.Path(grpc_tools.__file__).parent / "_proto")
-    args = ["protoc", f"-I{HERE}", f"-I{include}", f"--python_out={HERE}", f"--pyi_out={HERE}",
-            f"--grpc_python_out={HERE}"] + [str(p.relative_to(HERE)) for p in PROTOS]
+    args = [
+        "protoc",
+        f"-I{HERE}",
+        f"-I{include}",
+        f"--python_out={HERE}",
+        f"--pyi_out={HERE}",
+        f"--grpc_python_out={HERE}",
+    ] + [str(p.relative_to(HERE)) for p in PROTOS]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     for out in (HERE / "tpuserve" / "v1").glob("*_pb2*.py*"):
         text = out.read_text()
-        fixed = re.sub(r"^from tpuserve\.v1 import", "from tpuserve.proto.tpuserve.v1 import", text, flags=re.M)
+        fixed = re.sub(
+            r"^from tpuserve\.v1 import", "from tpuserve.proto.tpuserve.v1 import", text, flags=re.MULTILINE
+        )
         out.write_text(fixed)
     print("generated", ", ".join(p.name for p in PROTOS))
 

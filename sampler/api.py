@@ -134,7 +134,9 @@ class Engine(abc.ABC):
         return -(-self.vocab_size // 32)
 
     @abc.abstractmethod
-    def prefill(self, tokens: list[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None) -> Any:
+    def prefill(
+        self, tokens: list[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None
+    ) -> Any:
         """Run the prompt once; the returned prefix can be inserted into several slots (n samples).
 
         With a prefix cache, cached blocks of the prompt are reused; `cache_salt` names the namespace (prompts
@@ -180,7 +182,9 @@ class Engine(abc.ABC):
         """Prompt logprobs of a prefix made with want_prompt_logprobs=True, else None."""
 
     @abc.abstractmethod
-    def insert(self, prefix: Any, slot: int, params: SlotParams, allowed: np.ndarray | None = None) -> TokenOut:
+    def insert(
+        self, prefix: Any, slot: int, params: SlotParams, allowed: np.ndarray | None = None
+    ) -> TokenOut:
         """Put a prefix into a free slot and sample its first token with the slot's parameters; `allowed`
         (structured outputs): the token bitmask the first token must pass (see `constrain`)."""
 

@@ -24,7 +24,12 @@ class ServerThread:
     """start_server(...) on a private event loop; `stub` is a sync client on a real channel."""
 
     def __init__(
-        self, engine: FakeEngine, tokenizer: Tokenizer, wait_ready: bool = True, model_id: str = "fake-smollm2", **kw
+        self,
+        engine: FakeEngine,
+        tokenizer: Tokenizer,
+        wait_ready: bool = True,
+        model_id: str = "fake-smollm2",
+        **kw,
     ) -> None:
         self.engine = engine
         self.loop = asyncio.new_event_loop()

@@ -204,7 +204,8 @@ def test_prefix_cache_metrics_follow_the_engine(observed: ServerThread) -> None:
         == 20
     )
     assert (
-        after["tpuserve_backend_prefix_cache_hit_tokens_total"] - before["tpuserve_backend_prefix_cache_hit_tokens_total"]
+        after["tpuserve_backend_prefix_cache_hit_tokens_total"]
+        - before["tpuserve_backend_prefix_cache_hit_tokens_total"]
         == 8
     )
     stats = observed.engine.prefix_cache_stats()

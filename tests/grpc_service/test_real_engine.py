@@ -202,7 +202,9 @@ def test_special_alternatives_carry_their_text(real_backend, embedded):
     assert all(not a.special and a.special_text == "" for a in alts if a.token_id not in tok.special_ids)
 
 
-def test_short_prompts_arriving_together_stream_what_each_streams_alone(together_engine, embedded, monkeypatch):
+def test_short_prompts_arriving_together_stream_what_each_streams_alone(
+    together_engine, embedded, monkeypatch
+):
     """8 short prompts sent at once while another stream decodes are prefilled in one program (make serve's
     prefill settings), and each streams the tokens and logprobs it streams when sent alone, greedy and seeded."""
     import threading
@@ -223,8 +225,12 @@ def test_short_prompts_arriving_together_stream_what_each_streams_alone(together
 
     def fields(i: int) -> dict:
         sampling = pb.SamplingParams(temperature=0.0) if i % 2 else pb.SamplingParams(temperature=1.0, seed=i)
-        return dict(text=texts[i], sampling=sampling, stopping=pb.StoppingCriteria(max_tokens=6, ignore_eos=True),
-                    logprobs=pb.LogprobOptions(enabled=True, top_logprobs=3))  # fmt: skip
+        return {
+            "text": texts[i],
+            "sampling": sampling,
+            "stopping": pb.StoppingCriteria(max_tokens=6, ignore_eos=True),
+            "logprobs": pb.LogprobOptions(enabled=True, top_logprobs=3),
+        }
 
     def streamed(responses) -> list[tuple]:
         tokens, _, _ = samples(responses)[0]

@@ -49,7 +49,9 @@ paths = pytest.mark.parametrize("path", [CHAT, COMPLETIONS], ids=["chat", "compl
 
 @paths
 @pytest.mark.parametrize(
-    "salt", [123, ["a"], {"a": "b"}, True, "", "s" * 257], ids=["int", "list", "object", "bool", "empty", "257"]
+    "salt",
+    [123, ["a"], {"a": "b"}, True, "", "s" * 257],
+    ids=["int", "list", "object", "bool", "empty", "257"],
 )
 def test_cache_salt_not_a_string_empty_or_over_256_characters_is_400_naming_it(
     scripted_gateway, path, salt
@@ -78,7 +80,9 @@ def test_openapi_document_lists_cache_salt() -> None:
     schemas = openapi.build()["components"]["schemas"]
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         salt = schemas[name]["properties"]["cache_salt"]
-        assert {"type": "string", "minLength": 1, "maxLength": 256} in salt["anyOf"] and "salt" in salt["description"]
+        assert {"type": "string", "minLength": 1, "maxLength": 256} in salt["anyOf"] and "salt" in salt[
+            "description"
+        ]
 
 
 # ---- usage.prompt_tokens_details.cached_tokens (scripted backend) ---------------------------------------------

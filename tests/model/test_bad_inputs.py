@@ -38,16 +38,28 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_directory_without_weights(tmp_path):
-    cfg = dict(model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
-               num_attention_heads=2)  # fmt: skip
+    cfg = {
+        "model_type": "llama",
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="no \\*.safetensors weights found"):
         load_model(tmp_path, with_tokenizer=False)
 
 
 def test_corrupt_safetensors(tmp_path):
-    cfg = dict(model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
-               num_attention_heads=2)  # fmt: skip
+    cfg = {
+        "model_type": "llama",
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage")
     with pytest.raises(ModelLoadError, match="model.safetensors: not a readable safetensors file"):

@@ -22,21 +22,28 @@ from tpuserve.model.config import ModelLoadError
 from tpuserve.model.llama import init_cache
 from tpuserve.model.loader import convert, load_model
 
-BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+BASE = {
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
 
 VARIANTS = {
-    "llama-tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True)),
+    "llama-tied": (transformers.LlamaConfig, {"tie_word_embeddings": True}),
     "llama-untied-llama3rope": (
         transformers.LlamaConfig,
-        dict(tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE),
+        {"tie_word_embeddings": False, "rope_scaling": LLAMA3_ROPE},
     ),
-    "qwen2-bias": (transformers.Qwen2Config, dict(tie_word_embeddings=False)),
-    "mistral": (transformers.MistralConfig, dict(tie_word_embeddings=False, sliding_window=None)),
+    "qwen2-bias": (transformers.Qwen2Config, {"tie_word_embeddings": False}),
+    "mistral": (transformers.MistralConfig, {"tie_word_embeddings": False, "sliding_window": None}),
     # a window shorter than the 40-token test sequence: later queries must not see the first keys
-    "mistral-window8": (transformers.MistralConfig, dict(tie_word_embeddings=False, sliding_window=8)),
+    "mistral-window8": (transformers.MistralConfig, {"tie_word_embeddings": False, "sliding_window": 8}),
 }
 
 

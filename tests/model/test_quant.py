@@ -163,8 +163,14 @@ def test_keep_mixed_types_equals_dequantized_model(tmp_path: pathlib.Path, scan_
 def lowered_dots(loaded, T_: int = 8) -> list[str]:
     """The dot_general lines of the lowered forward pass and logits over T_ tokens."""
     m = loaded.module()
-    fwd = jax.jit(lambda toks: m.logits(m(toks, jnp.arange(T_)[None], init_cache(loaded.config, 1, T_), T_)[0]))
-    return [line for line in fwd.lower(jnp.zeros((1, T_), jnp.int32)).as_text().splitlines() if "dot_general" in line]
+    fwd = jax.jit(
+        lambda toks: m.logits(m(toks, jnp.arange(T_)[None], init_cache(loaded.config, 1, T_), T_)[0])
+    )
+    return [
+        line
+        for line in fwd.lower(jnp.zeros((1, T_), jnp.int32)).as_text().splitlines()
+        if "dot_general" in line
+    ]
 
 
 def test_fp32_products_ask_for_highest_precision(tmp_path: pathlib.Path) -> None:
@@ -177,7 +183,11 @@ def test_fp32_products_ask_for_highest_precision(tmp_path: pathlib.Path) -> None
     dense = load_model(path, with_tokenizer=False, quantization="none")
     kept = load_model(path, with_tokenizer=False, quantization="keep")
     bf16 = dataclasses.replace(dense, params=jax.tree.map(lambda a: a.astype(jnp.bfloat16), dense.params))
-    for loaded, want in ((dense, "[HIGHEST, HIGHEST]"), (kept, "[HIGHEST, HIGHEST]"), (bf16, "[DEFAULT, DEFAULT]")):
+    for loaded, want in (
+        (dense, "[HIGHEST, HIGHEST]"),
+        (kept, "[HIGHEST, HIGHEST]"),
+        (bf16, "[DEFAULT, DEFAULT]"),
+    ):
         dots = lowered_dots(loaded)
         assert len(dots) >= 6 and all(f"precision = {want}" in line for line in dots), dots
 

@@ -22,6 +22,8 @@ sys.exit(1 if bad else 0)
 
 
 def test_serving_path_imports_no_torch():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, check=False
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "imported: []" in proc.stdout
