@@ -65,9 +65,8 @@ class ServerSettings:
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
-    peer_timeout: float = (
-        30.0  # a process silent this long (dead, stopped): NOT_SERVING, UNAVAILABLE, all exit 1
-    )
+    # a process silent this long (dead, stopped): NOT_SERVING, UNAVAILABLE, all exit 1
+    peer_timeout: float = 30.0
     init_timeout: float = 300.0  # seconds every process waits for the others (and the coordinator) at start
 
     def __post_init__(self) -> None:

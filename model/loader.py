@@ -50,12 +50,12 @@ class LoadedModel:
         """The decoder over a copy of the weights in its own layout (`llama.module_params`): a stacked layer
         scan, or unrolled over per-layer arrays; with a mesh, placed by the sharding rules."""
         params = module_params(self.config, self.params, scan_layers)
-        if mesh is None and jax.default_backend() == "cpu":  # 4-bit values in row halves (quant.to_planar)
-            params = jax.tree.map(to_planar, params, is_leaf=is_quantized)
         if mesh is not None:
             from tpuserve.model.sharding import module_shardings
 
             params = jax.device_put(params, module_shardings(mesh, params))
+        elif jax.default_backend() == "cpu":  # 4-bit values in row halves (quant.to_planar)
+            params = jax.tree.map(to_planar, params, is_leaf=is_quantized)
         return Llama(self.config, params)
 
 
@@ -164,10 +164,9 @@ def load_model(
         cfg = manifest["config"]
         shardings = param_shardings(cfg, mesh) if mesh is not None else None
         params = checkpoint.restore_params(path, cfg, jdtype, shardings, manifest.get("quantization", "none"))
-        if (
-            mode == "int8"
-        ):  # an unquantized checkpoint served as int8, quantized on the host as from any source
-            # (quantize_int8 on the device rounds some scales an ulp apart: tests/model/test_hf_llama.py)
+        # an unquantized checkpoint served as int8, quantized on the host as from any source
+        # (quantize_int8 on the device rounds some scales an ulp apart: tests/model/test_hf_llama.py)
+        if mode == "int8":
             params = {n: cast(n, np.asarray(a)) if n in INT8_PARAMS and not is_quantized(a) else a
                       for n, a in params.items()}  # fmt: skip
         model_id = manifest["model_id"]

@@ -131,7 +131,7 @@ def to_planar(w: Any) -> Any:
     input axis whole, so only an unsharded model uses them (a shard of the input axis needs whole blocks)."""
     if not is_quantized(w) or w.bits != 4 or w.planar:
         return w
-    v = unpack4(w.q).astype(np.uint8)  # numpy in, numpy out
+    v = unpack4(w.q).astype(np.uint8)
     half = v.shape[-1] // 2
     return dataclasses.replace(w, q=v[..., :half] | (v[..., half:] << 4), planar=True)
 

@@ -84,9 +84,8 @@ class FakeEngine(Engine):
         self.scripts: dict[tuple[int, ...], list[int]] = {}  # prompt -> the tokens every sample generates
         self.delay_s = delay_s
         self.prefill_chunk = prefill_chunk
-        self.log: list[
-            str
-        ] = []  # "prefill" (one step of one prompt), "generate" (when a decode call computes)
+        # "prefill" (one step of one prompt), "generate" (when a decode call computes)
+        self.log: list[str] = []
         self.gate: threading.Event | None = None  # when set up, generate() waits for it
         self.fail_prefill: Callable[[list[int]], bool] = lambda tokens: False
         self.fail_generate = False

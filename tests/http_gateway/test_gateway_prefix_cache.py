@@ -80,9 +80,8 @@ def test_openapi_document_lists_cache_salt() -> None:
     schemas = openapi.build()["components"]["schemas"]
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         salt = schemas[name]["properties"]["cache_salt"]
-        assert {"type": "string", "minLength": 1, "maxLength": 256} in salt["anyOf"] and "salt" in salt[
-            "description"
-        ]
+        assert {"type": "string", "minLength": 1, "maxLength": 256} in salt["anyOf"]
+        assert "salt" in salt["description"]
 
 
 # ---- usage.prompt_tokens_details.cached_tokens (scripted backend) ---------------------------------------------

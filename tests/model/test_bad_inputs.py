@@ -37,30 +37,25 @@ def test_unsupported_architecture(tmp_path):
         load_model(tmp_path)
 
 
+# A valid Llama config.json for a directory whose weights are missing or broken.
+TINY_LLAMA_CONFIG = {
+    "model_type": "llama",
+    "vocab_size": 8,
+    "hidden_size": 8,
+    "intermediate_size": 8,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+}
+
+
 def test_directory_without_weights(tmp_path):
-    cfg = {
-        "model_type": "llama",
-        "vocab_size": 8,
-        "hidden_size": 8,
-        "intermediate_size": 8,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
     with pytest.raises(ModelLoadError, match="no \\*.safetensors weights found"):
         load_model(tmp_path, with_tokenizer=False)
 
 
 def test_corrupt_safetensors(tmp_path):
-    cfg = {
-        "model_type": "llama",
-        "vocab_size": 8,
-        "hidden_size": 8,
-        "intermediate_size": 8,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage")
     with pytest.raises(ModelLoadError, match="model.safetensors: not a readable safetensors file"):
         load_model(tmp_path, with_tokenizer=False)
