@@ -154,6 +154,13 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
+def pad_rows(y: jax.Array, rows: int) -> jax.Array:
+    """y [n, ...] followed by zero rows up to `rows`: the rows a product skipped (`live_rows`) read as zeros."""
+    if rows <= y.shape[0]:
+        return y
+    return jnp.concatenate([y, jnp.zeros((rows - y.shape[0], *y.shape[1:]), y.dtype)])
+
+
 def decode_scores_by_reduce(T: int) -> bool:
     """Whether attention computes a decode step's scores (T = 1 query per row) as a multiply and a sum over the
     head dimension instead of a batched dot, and leaves T out of the product with the values: on XLA:CPU only,
@@ -244,8 +251,7 @@ class Llama(nnx.Module):
         def product(a: jax.Array, w: Any) -> jax.Array:
             if live_rows is None or live_rows >= B:
                 return linear(a, w)
-            y = linear(a[:live_rows], w)
-            return jnp.concatenate([y, jnp.zeros((B - live_rows, *y.shape[1:]), y.dtype)])
+            return pad_rows(linear(a[:live_rows], w), B)
 
         def block(x, k_cache, v_cache, li, p):
             h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)

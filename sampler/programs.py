@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from tpuserve.model.llama import KVCache, Llama, cache_bytes, init_cache
+from tpuserve.model.llama import KVCache, Llama, cache_bytes, init_cache, pad_rows
 from tpuserve.sampler.sampling import NEG_INF, processed_logits, sample, top_logprobs
 from tpuserve.sampler.state import DecodeState, SlotSampling
 
@@ -252,9 +252,7 @@ def decode_program(m: Llama, state: DecodeState, allowed, steps_now, attend_len:
         # rows past the bucket write their keys and values nowhere (out of range: dropped)
         written = jnp.where(live, positions, cfg.max_seq_len)
         hidden, cache = m(s.last[:, None], written[:, None], cache, attend_len, live_rows=batch)
-        logits = m.logits(hidden[:batch, 0])
-        if width > batch:
-            logits = jnp.concatenate([logits, jnp.zeros((width - batch, logits.shape[-1]), logits.dtype)])
+        logits = pad_rows(m.logits(hidden[:batch, 0]), width)
         out = step_outputs(logits, s.sampling, positions + 1, cfg, masks)
         valid = s.active
         lengths = jnp.where(valid, s.lengths + 1, s.lengths)
