@@ -9,7 +9,7 @@ import time
 from tpuserve.model.loader import load_model
 from tpuserve.model.sharding import make_mesh
 from tpuserve.model.tokenizer import Tokenizer
-from tpuserve.sampler import compile_cache, xla_flags
+from tpuserve.sampler import compile_cache, host_memory, xla_flags
 from tpuserve.sampler.config import EngineConfig
 from tpuserve.sampler.engine import JaxEngine
 
@@ -20,6 +20,11 @@ def load_engine(cfg: EngineConfig) -> tuple[JaxEngine, Tokenizer, str]:
     """-> (engine, tokenizer, model_id) for the gRPC service: the model is placed by the sharding rules of
     the configured mesh as it loads, and the engine's decode state uses the same mesh."""
     xla_flags.set_defaults()  # before the mesh or the weights start JAX's backend
+    if host_memory.keep_freed_memory():  # before the weights and the programs' buffers are allocated
+        log.info(
+            "host memory: freed buffers stay in the process (malloc without mmap, trimmed past %d MiB)",
+            host_memory.TRIM_THRESHOLD >> 20,
+        )
     mesh = (
         make_mesh(cfg.model_parallel, cfg.data_parallel)
         if cfg.model_parallel * cfg.data_parallel > 1

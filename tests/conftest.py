@@ -8,10 +8,11 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# before JAX starts: the tests run on the XLA:CPU scheduler the engine serves with
-from tpuserve.sampler import xla_flags
+# before JAX starts: the tests run on the XLA:CPU scheduler and the host memory settings the engine serves with
+from tpuserve.sampler import host_memory, xla_flags
 
 xla_flags.set_defaults()
+host_memory.keep_freed_memory()
 
 import pathlib
 

@@ -65,6 +65,7 @@ def test_serve_starts_backend_and_gateway_and_stops_both_on_sigterm():
         out, _ = proc.communicate(timeout=90)
         assert proc.returncode == 0, out[-3000:]
         assert "stopped (drained)" in out
+        assert "host memory: freed buffers stay in the process" in out  # the backend's malloc settings
         for pid in children:
             stat = pathlib.Path(f"/proc/{pid}/stat")
             assert not stat.exists() or stat.read_text().split()[2] == "Z"  # gone, or a zombie

@@ -1,0 +1,44 @@
+"""Host memory the engine's process keeps: freed blocks stay in the process (glibc malloc) instead of going back
+to the kernel, so a program's next call reuses pages that are already mapped.
+
+XLA:CPU allocates a program's buffers for each call and frees them when it ends. glibc serves a block above its
+mmap threshold (at most 32 MiB) with a fresh mapping and unmaps it when freed, and trims its heap once the free
+top passes 128 KiB: the next call's buffers are then fresh pages, each faulting when first touched. Measured on
+this project's 2-core VM (README, "Host memory"): a 64-row decode call of the embedded model touched 12,290 fresh
+pages (48 MiB) per call, and faulting in 48 MiB cost ~42 ms there against ~2 ms to write them once mapped. With
+mmap off for malloc (every block from the heap) and the heap trimmed only past 128 MiB of free top, the same
+call touches none. The resident set then stays near its peak instead of shrinking between calls.
+
+Only glibc has these settings, and a user's own (MALLOC_* environment variables, GLIBC_TUNABLES) are kept.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+from collections.abc import Mapping
+
+log = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+TRIM_THRESHOLD = 128 << 20
+USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+
+
+def keep_freed_memory(environ: Mapping[str, str] | None = None) -> bool:
+    """Serve every block of this process from glibc's heap (no mmap) and trim the heap only past TRIM_THRESHOLD
+    (any time: later allocations follow). Returns whether it was set: False on another C library, or where the
+    user set malloc's own settings."""
+    environ = os.environ if environ is None else environ
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    if any(name in environ for name in USER_SETTINGS) or "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
+        log.info("malloc settings from the environment kept")
+        return False
+    mallopt = ctypes.CDLL(None).mallopt
+    ok = mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    if not ok:
+        log.warning("glibc refused the malloc settings: freed buffers go back to the kernel")
+    return ok
