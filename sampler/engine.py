@@ -27,6 +27,7 @@ from tpuserve.model.llama import cache_bytes
 from tpuserve.model.loader import LoadedModel
 from tpuserve.model.quant import tree_nbytes
 from tpuserve.model.sharding import DEFAULT_RULES, ShardingRules, cache_sharding
+from tpuserve.sampler import host_memory
 from tpuserve.sampler.api import (
     MAX_TOP_LOGPROBS,
     Engine,
@@ -523,3 +524,4 @@ class JaxEngine(Engine):
                 progress(k, len(stages), name, time.perf_counter() - start)
         self._occupied[:] = False
         self._length_bound[:] = 0
+        host_memory.release_free_memory()  # what the compiles freed; serving buffers stay (host_memory)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
+import jax
 from tpuserve.model.loader import load_model
 from tpuserve.model.sharding import make_mesh
 from tpuserve.model.tokenizer import Tokenizer
@@ -20,11 +21,6 @@ def load_engine(cfg: EngineConfig) -> tuple[JaxEngine, Tokenizer, str]:
     """-> (engine, tokenizer, model_id) for the gRPC service: the model is placed by the sharding rules of
     the configured mesh as it loads, and the engine's decode state uses the same mesh."""
     xla_flags.set_defaults()  # before the mesh or the weights start JAX's backend
-    if host_memory.keep_freed_memory():  # before the weights and the programs' buffers are allocated
-        log.info(
-            "host memory: freed buffers stay in the process (malloc without mmap, trimmed past %d MiB)",
-            host_memory.TRIM_THRESHOLD >> 20,
-        )
     mesh = (
         make_mesh(cfg.model_parallel, cfg.data_parallel)
         if cfg.model_parallel * cfg.data_parallel > 1
@@ -33,6 +29,13 @@ def load_engine(cfg: EngineConfig) -> tuple[JaxEngine, Tokenizer, str]:
     cache = compile_cache.enable(cfg.compilation_cache_dir)
     log.info("compilation cache: %s", cache if cache is not None else "off")
     loaded = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh, quantization=cfg.quantization)
+    # after the weights (their loading buffers went back to the kernel), on XLA:CPU only (its programs' buffers are
+    # host memory; an accelerator's are the device's)
+    if jax.default_backend() == "cpu" and host_memory.keep_freed_memory():
+        log.info(
+            "host memory: freed buffers stay in the process (malloc without mmap, trimmed past %d MiB)",
+            host_memory.TRIM_THRESHOLD >> 20,
+        )
     engine = JaxEngine(
         loaded,
         slots=cfg.slots,

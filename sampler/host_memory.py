@@ -9,7 +9,9 @@ pages (48 MiB) per call, and faulting in 48 MiB cost ~42 ms there against ~2 ms 
 mmap off for malloc (every block from the heap) and the heap trimmed only past 128 MiB of free top, the same
 call touches none. The resident set then stays near its peak instead of shrinking between calls.
 
-Only glibc has these settings, and a user's own (MALLOC_* environment variables, GLIBC_TUNABLES) are kept.
+`load_engine` sets it on XLA:CPU once the weights are loaded: a program's buffers are host memory there (an
+accelerator's are the device's), and the loading buffers of a large checkpoint still go back to the kernel. Only
+glibc has these settings, and a user's own (MALLOC_* environment variables, GLIBC_TUNABLES) are kept.
 """
 
 from __future__ import annotations
@@ -42,3 +44,10 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> bool:
     if not ok:
         log.warning("glibc refused the malloc settings: freed buffers go back to the kernel")
     return ok
+
+
+def release_free_memory() -> None:
+    """Give the heap's free pages back to the kernel now (glibc's malloc_trim): after the warm-up, whose compiler
+    runs freed far more than a serving call needs; the serving calls' own buffers then fault in once and stay."""
+    if platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(None).malloc_trim(0)
