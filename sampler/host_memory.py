@@ -34,13 +34,13 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> bool:
     (any time: later allocations follow). Returns whether it was set: False on another C library, or where the
     user set malloc's own settings."""
     environ = os.environ if environ is None else environ
-    if platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if libc is None:
         return False
     if any(name in environ for name in USER_SETTINGS) or "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
         log.info("malloc settings from the environment kept")
         return False
-    mallopt = ctypes.CDLL(None).mallopt
-    ok = mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    ok = libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     if not ok:
         log.warning("glibc refused the malloc settings: freed buffers go back to the kernel")
     return ok
@@ -49,5 +49,11 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> bool:
 def release_free_memory() -> None:
     """Give the heap's free pages back to the kernel now (glibc's malloc_trim): after the warm-up, whose compiler
     runs freed far more than a serving call needs; the serving calls' own buffers then fault in once and stay."""
-    if platform.libc_ver()[0] == "glibc":
-        ctypes.CDLL(None).malloc_trim(0)
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """This process's C library when it is glibc (the only one with these settings), else None."""
+    return ctypes.CDLL(None) if platform.libc_ver()[0] == "glibc" else None
