@@ -281,9 +281,11 @@ class Llama(nnx.Module):
                 attn = jnp.einsum("bkga,bkad->bkgd", probs[:, :, :, 0], vals.astype(q.dtype),
                                   precision=quant.precision(q.dtype))  # fmt: skip
             else:
+                # the product's own layout [B, Hkv, G, T, D], transposed after: written as "...->btkgd", XLA:CPU's
+                # (YNNPACK's) batched dot rounds a prompt's rows differently for another B (AVX-512, measured)
                 attn = jnp.einsum(
-                    "bkgta,bkad->btkgd", probs, vals.astype(q.dtype), precision=quant.precision(q.dtype)
-                )
+                    "bkgta,bkad->bkgtd", probs, vals.astype(q.dtype), precision=quant.precision(q.dtype)
+                ).transpose(0, 3, 1, 2, 4)
             attn = attn.reshape(B, T, Hq * D)
             x = x + product(attn, p["wo"])
             h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
