@@ -117,7 +117,7 @@ def single(ctx: Context) -> list[Row]:
 
     def hf(rep: int) -> float:
         seconds, made = ctx.hf.generate(
-            workload.PROMPTS[rep % len(workload.PROMPTS)], n, workload.SEED_BASE + rep
+            workload.unique("hf", workload.PROMPTS[rep % len(workload.PROMPTS)]), n, workload.SEED_BASE + rep
         )
         return made / seconds
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import pathlib
+import re
 import socket
 import sys
 import threading
@@ -215,6 +216,16 @@ def test_quick_run_against_fakes(pair, tmp_path, capsys):
     # llama-server was asked with its ignore_eos extension, tpuserve with plain OpenAI fields, both seeded
     assert all(b.get("ignore_eos") is True and "seed" in b for b in llama.fake.bodies)
     assert all("ignore_eos" not in b and "seed" in b for b in tpu.fake.bodies)
+    # no server sees a prompt twice (llama-server would answer a repeat from its slot's cache), and both get the
+    # same texts up to each request's number
+    for fake in (tpu.fake, llama.fake):
+        texts = [b.get("prompt") or b["messages"][-1]["content"] for b in fake.bodies]
+        assert len(set(texts)) == len(texts) and all(re.match(r"\d{4}\. \S", t) for t in texts)
+    tails = [
+        {(b.get("prompt") or b["messages"][-1]["content"])[6:] for b in f.bodies}
+        for f in (tpu.fake, llama.fake)
+    ]
+    assert tails[1] <= tails[0]
     table = capsys.readouterr().out
     assert "| HTTP, 8 streams × 8 tokens" in table and table.count("| MISS") == 5
 
