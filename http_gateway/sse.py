@@ -13,6 +13,16 @@ log = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
 
+# Line breaks to `str.splitlines` but not to SSE (CR, LF, CRLF) nor to JSON, which allows them raw inside a string:
+# a token's text holding one would cut an event in two for a client that splits the decoded stream with
+# splitlines (httpx's `aiter_lines` does). Sent as JSON escapes they mean the same text to every reader.
+_SPLITLINES_ONLY = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def data_line(payload: str) -> str:
+    """A JSON payload as one SSE `data:` line (without the blank line that ends the event)."""
+    return f"data: {payload.translate(_SPLITLINES_ONLY)}\n"
+
 
 def stream_failure(exc: Exception) -> APIError:
     """The error to send when a stream fails after its response started: an APIError as it is, anything else
@@ -32,7 +42,7 @@ async def sse_stream(payloads: AsyncIterator[str]) -> AsyncIterator[str]:
     (the SDKs raise it), then the stream ends with [DONE]."""
     try:
         async for payload in payloads:
-            yield f"data: {payload}\n\n"
+            yield data_line(payload) + "\n"
     except Exception as exc:  # noqa: BLE001 - any failure becomes an error event (stream_failure logs it)
-        yield f"data: {json.dumps(stream_failure(exc).body())}\n\n"
+        yield data_line(json.dumps(stream_failure(exc).body())) + "\n"
     yield DONE

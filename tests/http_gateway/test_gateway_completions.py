@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from gateway_checks import post, stream
 from scripted_backend import DEFAULT_REPLY, encode, logprob
@@ -322,3 +324,32 @@ def test_streamed_chunks_carry_their_own_tokens(scripted_gateway) -> None:
         ("", ["<|im_end|>"]),
     ]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 4 + ["stop"]
+
+
+SEPARATORS = "a\u2028b\x85c\u2029d"  # line breaks to str.splitlines, not to SSE or JSON
+
+
+@pytest.mark.parametrize(
+    "path, req, text_of",
+    [
+        ("/v1/completions", {"prompt": f"say:{SEPARATORS}", "max_tokens": 16},
+         lambda e: e["choices"][0]["text"] if e["choices"] else ""),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": f"say:{SEPARATORS}"}], "max_tokens": 16},
+         lambda e: e["choices"][0]["delta"].get("content") or "" if e["choices"] else ""),
+        ("/v1/responses", {"input": f"say:{SEPARATORS}", "max_output_tokens": 16},
+         lambda e: e["delta"] if e["type"] == "response.output_text.delta" else ""),
+    ],
+)  # fmt: skip
+def test_text_with_unicode_line_separators_streams_whole_events_to_a_splitlines_reader(
+    scripted_gateway, path, req, text_of
+):
+    """U+2028, U+2029 and U+0085 in the generated text: JSON may carry them raw, but a client that reads the SSE
+    text with `str.splitlines` semantics (httpx's `iter_lines`, which the bench used) would get events cut in
+    two. The gateway escapes them, so every `data:` line that reader gets is one whole JSON event and the text
+    comes back unchanged."""
+    body = {"model": scripted_gateway.model, "stream": True, **req}
+    with scripted_gateway.http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    events = [json.loads(line[len("data: ") :]) for line in lines]
+    assert "".join(text_of(e) for e in events) == SEPARATORS
