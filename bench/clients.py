@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +125,19 @@ def _read_event(result: StreamResult, data: str, now: float) -> bool:
     return True
 
 
+async def _sse_lines(r: httpx.Response) -> AsyncIterator[str]:
+    """The body's lines as SSE splits them: at CR, LF or CRLF only (httpx's `aiter_lines` also splits at U+2028,
+    U+2029 and U+0085, which JSON may carry raw inside a string: a server that sends them so would have its events
+    cut in two)."""
+    rest = ""
+    async for text in r.aiter_text():
+        *lines, rest = re.split(r"\r\n|\r|\n", rest + text)
+        for line in lines:
+            yield line
+    if rest:
+        yield rest
+
+
 async def stream(
     client: httpx.AsyncClient,
     path: str,
@@ -144,7 +158,7 @@ async def stream(
             if r.status_code != 200:
                 result.error = f"HTTP {r.status_code}: {(await r.aread())[:300].decode(errors='replace')}"
                 return result
-            async for line in r.aiter_lines():
+            async for line in _sse_lines(r):
                 if not line.startswith("data:"):
                     continue
                 had_text = result.first_text is not None

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class Fake:
-    """Streams `max_tokens` one-token chunks: the first after `ttft_s`, then one per `token_s` (`lp_token_s` when
+    """Streams `max_tokens` one-token chunks (completions: " w<i>" + a raw U+2028): the first after `ttft_s`, then one per `token_s` (`lp_token_s` when
     `logprobs` is asked). A prompt containing "Dear diary" stops after 3 tokens (EOS). Serves /health,
     /v1/models, a tpuserve-style /metrics (its compile counter moves once, on the first logprobs request) and a
     llama-style /slots."""
@@ -90,10 +90,11 @@ class Fake:
                 if chat:
                     choice = {"index": 0, "delta": {"content": f" w{i}"}, "finish_reason": None}
                 else:
-                    choice = {"index": 0, "text": f" w{i}", "finish_reason": None}
+                    choice = {"index": 0, "text": f" w{i}\u2028", "finish_reason": None}
                     if logprobs:
                         choice["logprobs"] = {"tokens": [f" w{i}"], "token_logprobs": [-1.0]}
-                yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+                # raw U+2028 in the JSON (as llama-server may send it): an SSE client must not split the line there
+                yield f"data: {json.dumps({'choices': [choice]}, ensure_ascii=False)}\n\n"
             end = {"index": 0, "finish_reason": "stop" if n < body["max_tokens"] else "length"}
             end.update({"delta": {}} if chat else {"text": ""})
             yield f"data: {json.dumps({'choices': [end]})}\n\n"
@@ -175,7 +176,7 @@ def test_sse_client_counts_and_times(pair):
     body = {"model": "m", "prompt": "hello", "max_tokens": 5}
     (r,) = asyncio.run(clients.sequential(tpu.url, [("/v1/completions", body)]))
     assert (r.error, r.tokens, r.text_chunks, r.finish_reason, r.done) == (None, 5, 5, "length", True)
-    assert r.text == " w0 w1 w2 w3 w4"
+    assert r.text == " w0\u2028 w1\u2028 w2\u2028 w3\u2028 w4\u2028"
     assert 0.25 <= r.ttft < r.last_token - r.sent
     assert tpu.fake.bodies[-1]["stream"] is True and tpu.fake.bodies[-1]["stream_options"] == {
         "include_usage": True
