@@ -30,8 +30,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class Fake:
-    """Streams `max_tokens` one-token chunks (completions: " w<i>" + a raw U+2028): the first after `ttft_s`, then one per `token_s` (`lp_token_s` when
-    `logprobs` is asked). A prompt containing "Dear diary" stops after 3 tokens (EOS). Serves /health,
+    """Streams `max_tokens` one-token chunks (completions: " w<i>" and a raw U+2028): the first after `ttft_s`,
+    then one per `token_s` (`lp_token_s` when `logprobs` is asked). A prompt containing "Dear diary" stops after
+    3 tokens (EOS). Serves /health,
     /v1/models, a tpuserve-style /metrics (its compile counter moves once, on the first logprobs request) and a
     llama-style /slots."""
 
