@@ -61,7 +61,7 @@ from tpuserve.http_gateway.responses_models import (
     TextDoneEvent,
 )
 from tpuserve.http_gateway.samples import collect, messages
-from tpuserve.http_gateway.sse import data_line, stream_failure
+from tpuserve.http_gateway.sse import data_event, stream_failure
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 
 _ROLES = {"developer": "system"}  # OpenAI's newer name for the system turn
@@ -333,7 +333,7 @@ class _Sequencer:
         self.next = 0
 
     def frame(self, event: ResponseEvent) -> str:
-        return f"event: {event.type}\n{data_line(event.dump())}\n"
+        return f"event: {event.type}\n{data_event(event.dump())}"
 
     def number(self) -> int:
         n = self.next

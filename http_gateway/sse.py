@@ -19,9 +19,9 @@ DONE = "data: [DONE]\n\n"
 _SPLITLINES_ONLY = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def data_line(payload: str) -> str:
-    """A JSON payload as one SSE `data:` line (without the blank line that ends the event)."""
-    return f"data: {payload.translate(_SPLITLINES_ONLY)}\n"
+def data_event(payload: str) -> str:
+    """A JSON payload as an SSE `data:` line and the blank line that ends the event."""
+    return f"data: {payload.translate(_SPLITLINES_ONLY)}\n\n"
 
 
 def stream_failure(exc: Exception) -> APIError:
@@ -42,7 +42,7 @@ async def sse_stream(payloads: AsyncIterator[str]) -> AsyncIterator[str]:
     (the SDKs raise it), then the stream ends with [DONE]."""
     try:
         async for payload in payloads:
-            yield data_line(payload) + "\n"
+            yield data_event(payload)
     except Exception as exc:  # noqa: BLE001 - any failure becomes an error event (stream_failure logs it)
-        yield data_line(json.dumps(stream_failure(exc).body())) + "\n"
+        yield data_event(json.dumps(stream_failure(exc).body()))
     yield DONE

@@ -32,9 +32,8 @@ pytestmark = pytest.mark.timeout(60)
 class Fake:
     """Streams `max_tokens` one-token chunks (completions: " w<i>" and a raw U+2028): the first after `ttft_s`,
     then one per `token_s` (`lp_token_s` when `logprobs` is asked). A prompt containing "Dear diary" stops after
-    3 tokens (EOS). Serves /health,
-    /v1/models, a tpuserve-style /metrics (its compile counter moves once, on the first logprobs request) and a
-    llama-style /slots."""
+    3 tokens (EOS). Serves /health, /v1/models, a tpuserve-style /metrics (its compile counter moves once, on the
+    first logprobs request) and a llama-style /slots."""
 
     def __init__(self, ttft_s: float, token_s: float, lp_token_s: float) -> None:
         self.ttft_s, self.token_s, self.lp_token_s = ttft_s, token_s, lp_token_s
@@ -220,13 +219,11 @@ def test_quick_run_against_fakes(pair, tmp_path, capsys):
     assert all("ignore_eos" not in b and "seed" in b for b in tpu.fake.bodies)
     # no server sees a prompt twice (llama-server would answer a repeat from its slot's cache), and both get the
     # same texts up to each request's number
+    tails = []
     for fake in (tpu.fake, llama.fake):
         texts = [b.get("prompt") or b["messages"][-1]["content"] for b in fake.bodies]
         assert len(set(texts)) == len(texts) and all(re.match(r"\d{4}\. \S", t) for t in texts)
-    tails = [
-        {(b.get("prompt") or b["messages"][-1]["content"])[6:] for b in f.bodies}
-        for f in (tpu.fake, llama.fake)
-    ]
+        tails.append({t[len("1000. ") :] for t in texts})
     assert tails[1] <= tails[0]
     table = capsys.readouterr().out
     assert "| HTTP, 8 streams × 8 tokens" in table and table.count("| MISS") == 5
