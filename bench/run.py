@@ -6,7 +6,8 @@ tpuserve runs as `tpuserve serve` (a subprocess on free ports, default settings 
 measured over HTTP by streaming clients (httpx, SSE), request sent -> last token received, prefill included.
 Baselines: HF transformers `generate` at batch 1 on the same GGUF (torch 2 threads, prompt text in -> last
 token), and llama.cpp's `llama-server` on the same GGUF when `--llama-server BIN` is given
-(`../shared/tools/build-llama-server.sh` builds it and prints its path); without it the llama rows print
+(`--llama-server auto`: the one bench/build-llama-server.sh builds from the llama-cpp-python sdist on PyPI, ~10
+minutes once per machine, then reused); without it the llama rows print
 "not run". Paired measurements alternate (A, B, A, B, ...; medians) and only one server is loaded at a time.
 Every row shows the measurement, the baseline's, their ratio, the target and PASS/MISS; a row that could not be
 measured says "not run" or "error", never PASS. Row groups (`--only`, comma-separated; default all):
@@ -34,6 +35,7 @@ import dataclasses
 import json
 import pathlib
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -54,7 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="few tokens and streams, one round (a smoke run)")
     p.add_argument("--only", default=",".join(ALL), help=f"comma-separated row groups ({', '.join(ALL)})")
     p.add_argument("--config", default=None, help="YAML config passed to `tpuserve serve --config`")
-    p.add_argument("--llama-server", default=None, metavar="BIN", help="llama-server binary: adds its rows")
+    p.add_argument(
+        "--llama-server",
+        default=None,
+        metavar="BIN",
+        help="llama-server binary, or 'auto' (built or found by bench/build-llama-server.sh): adds its rows",
+    )
     p.add_argument("--no-hf", action="store_true", help="skip the HF baseline (its rows print 'not run')")
     p.add_argument("--json", default=None, metavar="OUT", help="write rows, settings and every sample here")
     p.add_argument(
@@ -220,8 +227,19 @@ def _guarded(group: str, rows_of: Callable[[], list[Row]]) -> list[Row]:
         return [Row(group, f"{group}: failed", "—", "—", None, "", FAILED, f"{type(e).__name__}: {e}")]
 
 
+def _llama_server_binary(arg: str) -> str:
+    """--llama-server BIN as given, or 'auto': the binary bench/build-llama-server.sh builds (once) or finds."""
+    if arg != "auto":
+        return arg
+    script = pathlib.Path(__file__).resolve().parent / "build-llama-server.sh"
+    built = subprocess.run(["bash", str(script)], check=True, stdout=subprocess.PIPE, text=True)
+    return built.stdout.strip().splitlines()[-1]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.llama_server and not args.llama_url:
+        args.llama_server = _llama_server_binary(args.llama_server)
     groups = [g.strip() for g in args.only.split(",") if g.strip()]
     unknown = sorted(set(groups) - set(ALL))
     if unknown:

@@ -14,7 +14,7 @@ or more backends.
   chat.py             /v1/chat/completions (JSON and SSE)
   completions.py      /v1/completions (JSON and SSE; batched/token-id prompts, echo, best_of)
   samples.py          backend messages -> per-sample results, finish reasons
-  logprobs.py         raw token bytes -> chat and legacy logprob JSON (design.md "Logprob rules")
+  logprobs.py         raw token bytes -> chat and legacy logprob JSON (docs/http-api.md, "Logprob rules")
   response_models.py  response bodies
   openapi.py          the /openapi.json document
   errors.py           the OpenAI error shape and the gRPC status -> HTTP mapping

@@ -1,8 +1,9 @@
-"""Validate gateway JSON against the schemas of the OpenAI OpenAPI file (<repo>/../shared/openai-openapi.yaml).
+"""Validate gateway JSON against the schemas of OpenAI's OpenAPI file (openai-openapi.yaml beside this module; its
+source and licence: openai-openapi.NOTICE).
 
 The file mixes OpenAPI 3.0 (`nullable: true`) and 3.1 (`type: 'null'`) styles; `nullable` is rewritten to a
 JSON-schema union. $refs resolve inside the document. Relaxations, each one where the spec's schema is narrower
-than what OpenAI actually returns (and what design.md promises), are listed in RELAXED and applied explicitly.
+than what OpenAI actually returns (and what docs/http-api.md promises), are listed in RELAXED and applied explicitly.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jsonschema
 import referencing
 import yaml
 
-SPEC_PATH = pathlib.Path(__file__).resolve().parents[2] / ".." / "shared" / "openai-openapi.yaml"
+SPEC_PATH = pathlib.Path(__file__).resolve().parent / "openai-openapi.yaml"
 _URI = "urn:openai-openapi"
 
 

@@ -1,4 +1,4 @@
-"""/v1/chat/completions: each logprob rule of design.md, non-streamed and streamed.
+"""/v1/chat/completions: each logprob rule of docs/http-api.md, non-streamed and streamed.
 
 `gateway` tests hold for any backend; `scripted_gateway` tests know the scripted backend's outputs
 (scripted_backend.py: `say:<text>` replies <text> then EOS; token j of sample s has logprob -(0.1*(j%5+1))/(s+1)).

@@ -1,4 +1,4 @@
-"""/v1/completions (legacy): each logprob rule of design.md, non-streamed and streamed."""
+"""/v1/completions (legacy): each logprob rule of docs/http-api.md, non-streamed and streamed."""
 
 from __future__ import annotations
 

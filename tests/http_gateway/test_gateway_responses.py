@@ -48,7 +48,7 @@ TEXT_EVENTS = [
 @functools.cache
 def _validator(name: str) -> jsonschema.Draft202012Validator:
     """The spec's schema `name`, with one relaxation: a Responses logprob entry's `bytes` (LogProb, TopLogProb)
-    may be null. The spec types it as an integer array only, but design.md gives a special token (e.g.
+    may be null. The spec types it as an integer array only, but docs/http-api.md gives a special token (e.g.
     `<|im_end|>` as an alternative) `bytes: null` in chat and Responses entries alike: it has no bytes."""
     uri = "urn:openai-openapi"
     contents = copy.deepcopy(openai_spec._registry()[uri].contents)

@@ -401,7 +401,7 @@ def test_node_sdk_streamed_chat_with_logprobs(real) -> None:
 
 
 def test_prefix_cache_shows_only_in_cached_tokens(real, real_backend) -> None:
-    """design.md: cold and warm requests return identical tokens and logprobs; `cache_salt` separates tenants.
+    """docs/engine.md: cold and warm requests return identical tokens and logprobs; `cache_salt` separates tenants.
     The engine caches whole blocks of prefill_chunk tokens, never the prompt's last token."""
     _, model, http = real
     engine = real_backend.engine
