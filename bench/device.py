@@ -130,7 +130,7 @@ def _fidelity_run(loaded, ids: list[int], tokens: int):
     first = engine.insert(prefix, 0, SlotParams(max_tokens=tokens, temperature=0.0))
     out_ids, out_lps, done = [first.token_id], [first.logprob], first.done
     while not done:
-        step = engine.generate()
+        step = engine.decode()
         for n in range(step.ids.shape[0]):
             if step.valid[n, 0]:
                 out_ids.append(int(step.ids[n, 0]))
@@ -234,7 +234,7 @@ def int8_params(params: dict, dtype) -> dict:
 
 def measure(cfg, params: dict, mode: str, slots: int, plan: Plan, prefill: bool) -> dict:
     """Build and warm an engine; then (prefill) an S-token prompt 1 + 3 times, and `slots` streams decoding
-    over K timed generate calls. Compiles are counted from the end of warm_up."""
+    over K timed decode calls. Compiles are counted from the end of warm_up."""
     import jax
     import numpy as np
     from tpuserve.model.loader import LoadedModel
@@ -263,9 +263,9 @@ def measure(cfg, params: dict, mode: str, slots: int, plan: Plan, prefill: bool)
     params = [SlotParams(max_tokens=plan.N * (plan.K + 1) + 2, temperature=1.0, seed=s) for s in range(slots)]
     for pending in [engine.start_insert(prefix, s, params[s]) for s in range(slots)]:
         pending.result()
-    engine.generate()  # untimed
+    engine.decode()  # untimed
     start = time.perf_counter()
-    calls = [engine.start_generate() for _ in range(plan.K)]  # all dispatched, then read
+    calls = [engine.start_decode() for _ in range(plan.K)]  # all dispatched, then read
     steps = [c.result() for c in calls]
     out["decode_s"] = time.perf_counter() - start
     out["tokens"] = int(sum(s.valid.sum() for s in steps))

@@ -3,7 +3,7 @@ would use (the config's `engine:` section, or the defaults). Timed as the HTTP r
 text) -> last token out, tokenization, prefill and insert included. They locate a gap (engine vs serving
 stack); they are never a headline, so they carry no target.
 
-The engine's public interface only: `prefill`, `insert`, `generate` until every request is done, `release`.
+The engine's public interface only: `prefill`, `insert`, `decode` until every request is done, `release`.
 Requests are sampled at temperature 1 with a seed each and no stop ids (they run to max_tokens, like HF's
 min_new_tokens)."""
 
@@ -29,7 +29,7 @@ def _requests_s(engine, tokenizer, count: int, max_tokens: int) -> tuple[float, 
         first = engine.insert(engine.prefill(ids), slot, params)
         made[slot], done[slot] = 1, first.done
     while not all(done):
-        out = engine.generate()
+        out = engine.decode()
         for slot in range(count):
             if done[slot]:
                 continue

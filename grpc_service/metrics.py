@@ -155,7 +155,7 @@ class BackendMetrics:
         self.tokens = Counter("tpuserve_backend_generated_tokens", "Tokens generated.", registry=r)
         self.generate_seconds = Histogram(
             "tpuserve_backend_generate_call_seconds",
-            "Duration of one engine generate call (N fused decode steps for all slots).",
+            "Duration of one engine decode call (N fused decode steps for all slots).",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=r,
         )

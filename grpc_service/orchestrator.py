@@ -40,7 +40,7 @@ from tpuserve.grpc_service import jobs
 from tpuserve.grpc_service.admission import RequestStream, ShuttingDownError, WaitingQueue
 from tpuserve.grpc_service.guided import Constraint, Grammars, GuidedError
 from tpuserve.grpc_service.jobs import ErrorEvent, Event, Finish, GenerationJob, PromptEvent
-from tpuserve.grpc_service.sample import SampleTracker
+from tpuserve.grpc_service.sample_tracker import SampleTracker
 from tpuserve.sampler.api import Engine, EngineUnavailable, Pending, StepArrays, TokenOut
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class Orchestrator:
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()
         self.stats = Stats(engine.slots)  # published by the engine thread
-        self.on_generate: Callable[[float], None] | None = None  # seconds per decode call (metrics)
+        self.on_decode: Callable[[float], None] | None = None  # seconds per decode call (metrics)
         self.on_drop: Callable[[str], None] | None = None  # a queued request dropped, by gRPC status name
         self._waiting = WaitingQueue(
             max_queue, max_queue_wait_s, lambda code: self.on_drop and self.on_drop(code)
@@ -420,9 +420,9 @@ class Orchestrator:
         dispatched = time.perf_counter()
         try:
             steps = self.engine.next_call_steps()
-            result = self.engine.start_generate()
+            result = self.engine.start_decode()
         except Exception as exc:
-            log.exception("engine.start_generate failed")
+            log.exception("engine.start_decode failed")
             self._fail_all(f"engine error: {exc}", code=_code(exc))
             return
         self._inflight = _InFlight(result, dict(self._owner), dispatched, steps)
@@ -437,8 +437,8 @@ class Orchestrator:
         now = time.perf_counter()
         # the call ran from its dispatch or from the end of the one before
         self._call_s = now - max(call.dispatched, self._last_read)
-        if self.on_generate is not None:
-            self.on_generate(self._call_s)
+        if self.on_decode is not None:
+            self.on_decode(self._call_s)
         self._last_read = now
         for step in range(steps.valid.shape[0]):
             for slot in steps.valid[step].nonzero()[0].tolist():

@@ -171,10 +171,10 @@ async def start_server(
 
 
 def _metrics_of(orchestrator: Orchestrator) -> BackendMetrics:
-    """Backend metrics wired to the orchestrator's generate-call and queue-drop hooks."""
+    """Backend metrics wired to the orchestrator's decode-call and queue-drop hooks."""
     watch_compiles()
     metrics = BackendMetrics(orchestrator)
-    orchestrator.on_generate = metrics.generate_seconds.observe
+    orchestrator.on_decode = metrics.generate_seconds.observe
     orchestrator.on_drop = lambda code: metrics.dropped.labels(code).inc()
     return metrics
 

@@ -66,7 +66,7 @@ class TokenOut:
 
 @dataclass
 class StepArrays:
-    """Host copy of one `generate` call: N fused steps over B slots.
+    """Host copy of one `decode` call: N fused steps over B slots.
 
     ids, logprobs: [N, B]; top_ids, top_logprobs: [N, B, K]; valid: [N, B] (a real token for that slot at that
     step); done: [N, B] (the slot finished on this token: a stop id or max_tokens reached).
@@ -114,15 +114,15 @@ class PrefixCacheStats:
 
 
 class Engine(abc.ABC):
-    """prefill -> insert (per sample) -> generate (N steps, all slots) -> release.
+    """prefill -> insert (per sample) -> decode (N steps, all slots) -> release.
 
-    One thread drives an engine. `start_insert` / `start_generate` dispatch without waiting, so that thread can
+    One thread drives an engine. `start_insert` / `start_decode` dispatch without waiting, so that thread can
     queue the next device call before it reads this one back; an engine without asynchronous dispatch (the fake
     engine of the service tests) inherits versions that compute at once."""
 
     slots: int
     max_seq_len: int
-    steps_per_call: int  # the most steps one generate call makes
+    steps_per_call: int  # the most steps one decode call makes
     vocab_size: int
     top_k_width: int = MAX_TOP_LOGPROBS
     prefill_chunk: int = 512  # prompt tokens one prefill step computes at most
@@ -169,7 +169,7 @@ class Engine(abc.ABC):
         return None
 
     def next_call_steps(self) -> int:
-        """Steps the next generate call will make (its output's N): steps_per_call unless the engine varies it
+        """Steps the next decode call will make (its output's N): steps_per_call unless the engine varies it
         with the load."""
         return self.steps_per_call
 
@@ -191,23 +191,23 @@ class Engine(abc.ABC):
     def constrain(self, slot: int, allowed: np.ndarray | None) -> None:
         """Structured outputs: the occupied slot's next token must pass `allowed`, a token bitmask of
         `mask_words` int32 words (token t = bit t % 32 of word t // 32, llguidance's layout); None lifts it.
-        While any occupied slot is constrained a generate call makes one step (the host computes the next mask
+        While any occupied slot is constrained a decode call makes one step (the host computes the next mask
         from the token it made). Released slots are free again."""
         raise NotImplementedError(f"{type(self).__name__} has no structured outputs")
 
     @abc.abstractmethod
-    def generate(self) -> StepArrays:
+    def decode(self) -> StepArrays:
         """N fused decode steps for every active slot."""
 
     @abc.abstractmethod
     def release(self, slot: int) -> None:
-        """Free a slot (finished or cancelled); it takes no part in the next generate call."""
+        """Free a slot (finished or cancelled); it takes no part in the next decode call."""
 
     def start_insert(
         self, prefix: Any, slot: int, params: SlotParams, allowed: np.ndarray | None = None
     ) -> Pending[TokenOut]:
         return Pending.ready(self.insert(prefix, slot, params, allowed))
 
-    def start_generate(self) -> Pending[StepArrays]:
+    def start_decode(self) -> Pending[StepArrays]:
         """Dispatch the next N decode steps. Outputs of a slot released meanwhile are to be ignored."""
-        return Pending.ready(self.generate())
+        return Pending.ready(self.decode())

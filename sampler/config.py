@@ -20,7 +20,7 @@ class EngineConfig:
     quantization: str | None = None
     slots: int = 64  # B: decode batch (64 users at once; one user decodes on the smallest batch bucket)
     max_seq_len: int = 512  # S: prompt + generated tokens per sample
-    steps_per_call: int = 8  # N: fused decode steps per generate call on buckets of up to steps_per_call_rows
+    steps_per_call: int = 8  # N: fused decode steps per decode call on buckets of up to steps_per_call_rows
     # Buckets larger than steps_per_call_rows make fewer steps per call (rows x steps stays N x steps_per_call_rows;
     # 64 rows: 1 step), so a request arriving under load waits for a short call; this is the floor
     # (= steps_per_call: fixed N).

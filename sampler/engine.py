@@ -3,7 +3,7 @@
 Decode runs on the smallest batch bucket (power of two, at least 2 rows) that covers the occupied slots, and
 attends over the smallest length bucket that covers the longest sequence, so its cost follows the live load. A
 request's tokens and logprobs do not depend on the bucket (see model/llama.py on the [out, in] weight layout).
-Calls are dispatched without waiting (`start_generate`, `start_insert`): host copies of their small outputs
+Calls are dispatched without waiting (`start_decode`, `start_insert`): host copies of their small outputs
 start at once and are read when the caller asks, so host work overlaps the next device call.
 
 Driven by one thread (the orchestrator's engine thread, which also runs `warm_up`); nothing here is shared.
@@ -394,7 +394,7 @@ class JaxEngine(Engine):
         # a constrained row needs the host (its next mask) after every token: the call makes one step
         return 1 if self._constrained[self._occupied].any() else self.buckets()[2]
 
-    def start_generate(self) -> Pending[StepArrays]:
+    def start_decode(self) -> Pending[StepArrays]:
         attend, batch, steps = self.buckets()
         steps_now = self.next_call_steps()
         masks = self._free_masks
@@ -415,8 +415,8 @@ class JaxEngine(Engine):
 
         return Pending(read)
 
-    def generate(self) -> StepArrays:
-        return self.start_generate().result()
+    def decode(self) -> StepArrays:
+        return self.start_decode().result()
 
     def _pad(self, a: np.ndarray) -> np.ndarray:
         """[N, batch, ...] -> [N, slots, ...]: slots past the batch bucket were not run (valid/done False)."""

@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     first = engine.insert(engine.prefill(ids), 0, params)
     out, done = [first.token_id], first.done
     while not done:
-        step = engine.generate()
+        step = engine.decode()
         for n in range(step.ids.shape[0]):
             if step.valid[n, 0]:
                 out.append(int(step.ids[n, 0]))

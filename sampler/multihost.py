@@ -341,11 +341,11 @@ class LeaderEngine(Engine):
     def constrain(self, slot: int, allowed: np.ndarray | None) -> None:
         self._call("constrain", (slot, allowed), lambda: self.inner.constrain(slot, allowed))
 
-    def start_generate(self) -> Pending[StepArrays]:
-        return self._watched(self._call("generate", (), self.inner.start_generate))
+    def start_decode(self) -> Pending[StepArrays]:
+        return self._watched(self._call("decode", (), self.inner.start_decode))
 
-    def generate(self) -> StepArrays:
-        return self.start_generate().result()
+    def decode(self) -> StepArrays:
+        return self.start_decode().result()
 
     def release(self, slot: int) -> None:
         self._call("release", (slot,), lambda: self.inner.release(slot))
@@ -388,10 +388,10 @@ def follow(engine: Any, channel: Channel) -> int:
                 engine.start_insert(prefixes[handle], slot, params, allowed)
             elif op == "constrain":
                 engine.constrain(*args)
-            elif op == "generate":
+            elif op == "decode":
                 if last is not None:
                     last.result()
-                last = engine.start_generate()
+                last = engine.start_decode()
             elif op == "release":
                 engine.release(*args)
             elif op != "noop":

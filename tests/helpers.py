@@ -51,7 +51,7 @@ def run_engine(
     want_prompt_logprobs: bool = False,
     together: bool = False,
 ) -> tuple[dict[int, Outputs], PromptLogprobs | None]:
-    """Drive an engine directly: prefill and insert (slot, prompt ids, SlotParams) requests, `generate` until
+    """Drive an engine directly: prefill and insert (slot, prompt ids, SlotParams) requests, `decode` until
     every one is done, release their slots. Returns per slot (ids, logprobs, top_ids, top_logprobs) lists and
     the prompt logprobs of the first request. `together`: the prompts go through one `prefill_together`."""
     out: dict[int, Outputs] = {slot: ([], [], [], []) for slot, _, _ in requests}
@@ -67,7 +67,7 @@ def run_engine(
         if not first.done:
             live.add(slot)
     while live:
-        step = engine.generate()
+        step = engine.decode()
         for n in range(step.ids.shape[0]):
             for slot in list(live):
                 if step.valid[n, slot]:

@@ -84,15 +84,15 @@ class FakeEngine(Engine):
         self.scripts: dict[tuple[int, ...], list[int]] = {}  # prompt -> the tokens every sample generates
         self.delay_s = delay_s
         self.prefill_chunk = prefill_chunk
-        # "prefill" (one step of one prompt), "generate" (when a decode call computes)
+        # "prefill" (one step of one prompt), "decode" (when a decode call computes)
         self.log: list[str] = []
-        self.gate: threading.Event | None = None  # when set up, generate() waits for it
+        self.gate: threading.Event | None = None  # when set up, decode() waits for it
         self.fail_prefill: Callable[[list[int]], bool] = lambda tokens: False
-        self.fail_generate = False
+        self.fail_decode = False
         self.prefills: list[list[int]] = []
         self.inserts: list[tuple[int, SlotParams]] = []
         self.releases: list[int] = []
-        self.generate_calls = 0
+        self.decode_calls = 0
         self._active: dict[int, _Slot] = {}
         # prefix cache (None or 0 bytes: off): (salt, prompt[:BLOCK * k]) -> stored, least recently used first
         self.prefix_cache_bytes = prefix_cache_bytes or 0
@@ -205,11 +205,11 @@ class FakeEngine(Engine):
             self.log.append("prefill")
         return super().prefill_together(prompts, cache_salts)
 
-    def start_generate(self) -> Pending[StepArrays]:
+    def start_decode(self) -> Pending[StepArrays]:
         """Deferred until read, as the real engine's asynchronous dispatch: the orchestrator dispatches the next
         call before it reads this one (and a held `gate` holds only the read)."""
         live = dict(self._active)  # what the call computes: the samples in the slots now, not later ones
-        return Pending(lambda: self.generate(only=live))
+        return Pending(lambda: self.decode(only=live))
 
     def prompt_logprobs(self, prefix: FakePrefix) -> PromptLogprobs | None:
         tokens, wanted = prefix.tokens, prefix.wanted
@@ -233,15 +233,15 @@ class FakeEngine(Engine):
         self.inserts.append((slot, params))
         return self._token_out(state)
 
-    def generate(self, only: dict[int, _Slot] | None = None) -> StepArrays:
+    def decode(self, only: dict[int, _Slot] | None = None) -> StepArrays:
         if self.gate is not None:
             self.gate.wait(30)
         if self.delay_s:
             time.sleep(self.delay_s)
-        if self.fail_generate:
-            raise RuntimeError("fake generate failure")
-        self.generate_calls += 1
-        self.log.append("generate")
+        if self.fail_decode:
+            raise RuntimeError("fake decode failure")
+        self.decode_calls += 1
+        self.log.append("decode")
         n, b = self.steps_per_call, self.slots
         out = StepArrays(
             ids=np.zeros((n, b), np.int32),

@@ -1,5 +1,5 @@
 """Backend observability and limits over a real grpc.aio server (fake engine): the Prometheus metrics port
-(queue depth, active slots, KV cache, generate-call time, compiles, finish reasons, tokens), one JSON log line
+(queue depth, active slots, KV cache, decode-call time, compiles, finish reasons, tokens), one JSON log line
 per Generate with the caller's request id and no prompt unless asked, and max_prompt_tokens."""
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def test_metrics_port_serves_state_and_counters_that_move(observed: ServerThread
 
 def test_active_slots_and_queue_depth_while_the_engine_is_held(observed: ServerThread) -> None:
     engine = observed.engine
-    engine.gate = threading.Event()  # generate() waits on it: slots stay taken
+    engine.gate = threading.Event()  # decode() waits on it: slots stay taken
     results: list = []
 
     def one() -> None:
@@ -120,8 +120,8 @@ def test_active_slots_and_queue_depth_while_the_engine_is_held(observed: ServerT
         deadline = time.monotonic() + 10
         while True:
             m = scrape(observed.server.metrics_port)
-            # the first request holds 2 slots inside the held generate call; the later ones wait in the queue
-            # (admission runs between generate calls), or take the other 2 slots if they came before it
+            # the first request holds 2 slots inside the held decode call; the later ones wait in the queue
+            # (admission runs between decode calls), or take the other 2 slots if they came before it
             if m["tpuserve_backend_active_slots"] >= 2 and m["tpuserve_backend_queue_depth"] >= 1:
                 break
             assert time.monotonic() < deadline, m

@@ -247,7 +247,7 @@ def test_max_queue_wait_never_turns_away_a_request_that_finds_a_free_slot():
     async def main():
         running = orch.submit(job(max_tokens=40))
         await running.events().__anext__()
-        await asyncio.sleep(0.05)  # inside a 0.3 s generate call
+        await asyncio.sleep(0.05)  # inside a 0.3 s decode call
         return await collect(orch, job(max_tokens=3))
 
     try:
@@ -270,11 +270,11 @@ def test_engine_errors_fail_requests_and_serving_continues():
     try:
         bad = asyncio.run(collect(orch, job(prompt=(3,))))
         assert isinstance(bad[-1], ErrorEvent) and "prefill" in bad[-1].message
-        engine.fail_generate = True
+        engine.fail_decode = True
         failed = asyncio.run(collect(orch, job(n=2, max_tokens=20)))
-        assert isinstance(failed[-1], ErrorEvent) and "generate" in failed[-1].message
+        assert isinstance(failed[-1], ErrorEvent) and "decode" in failed[-1].message
         assert orch.free_slots == engine.slots
-        engine.fail_generate = False
+        engine.fail_decode = False
         ok = asyncio.run(collect(orch, job(max_tokens=2)))
     finally:
         orch.close()
@@ -291,7 +291,7 @@ def test_first_token_is_sent_before_the_first_decode_call_finishes():
         stream = orch.submit(job(max_tokens=9))
         events = stream.events()
         first = await asyncio.wait_for(events.__anext__(), 5)
-        calls_then = engine.generate_calls
+        calls_then = engine.decode_calls
         engine.gate.set()
         return first, calls_then, [e async for e in events]
 
@@ -320,16 +320,16 @@ def test_one_event_per_sample_per_decode_call():
 
 def _spy_dispatches(engine: FakeEngine) -> list[int]:
     """Records, at each decode call's dispatch, how many calls had been read; logs "dispatch" in engine.log (the
-    fake computes a call, logging "generate", when it is read)."""
+    fake computes a call, logging "decode", when it is read)."""
     dispatched: list[int] = []
-    start = engine.start_generate
+    start = engine.start_decode
 
     def spy():
-        dispatched.append(engine.generate_calls)
+        dispatched.append(engine.decode_calls)
         engine.log.append("dispatch")
         return start()
 
-    engine.start_generate = spy
+    engine.start_decode = spy
     return dispatched
 
 
@@ -370,7 +370,7 @@ def test_long_calls_are_read_in_their_turn_while_a_slot_is_free():
     assert dispatched[2:] == list(range(2, len(dispatched)))  # then each call is read before the next
     at = [i for i, what in enumerate(engine.log) if what == "prefill"][-1]  # the late request's prefill
     before = engine.log[:at]
-    assert before.count("dispatch") == before.count("generate") > 2  # no call was waiting ahead of it
+    assert before.count("dispatch") == before.count("decode") > 2  # no call was waiting ahead of it
 
 
 def test_calls_stay_in_flight_while_no_slot_is_free():
@@ -406,7 +406,7 @@ def test_a_long_prompt_is_prefilled_between_decode_calls():
         orch.close()
     steps = [i for i, what in enumerate(engine.log) if what == "prefill"]
     assert len(steps) == 5
-    assert all(engine.log[i + 1] == "generate" for i in steps[:-1])  # a decode call after every chunk
+    assert all(engine.log[i + 1] == "decode" for i in steps[:-1])  # a decode call after every chunk
     assert samples(long)[0][-1].finish is Finish.LENGTH
 
 
@@ -475,7 +475,7 @@ def test_no_decode_call_nobody_needs():
     finally:
         orch.close()
     assert samples(events)[0][-1].completion_tokens == 9
-    assert engine.generate_calls == 2
+    assert engine.decode_calls == 2
 
 
 # ---- prefix cache: the salt goes down, the cached count comes up, abandoned prefills are closed ----------------
@@ -572,7 +572,7 @@ def test_an_engine_failure_closes_the_prefills_in_progress():
         await running.events().__anext__()
         long = orch.submit(job(prompt=long_prompt, max_tokens=3))
         await prefill_begun(engine)
-        engine.fail_generate = True  # the next decode call fails every request, the prefilling one too
+        engine.fail_decode = True  # the next decode call fails every request, the prefilling one too
         return await drain(long), await drain(running)
 
     try:

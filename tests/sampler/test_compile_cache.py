@@ -24,7 +24,7 @@ engine, tok, _ = load_engine(cfg)
 out = [engine.insert(engine.prefill(tok.encode("The capital of France is")), 0,
                      SlotParams(max_tokens=9, temperature=0.0)).token_id]
 while len(out) < 9:
-    step = engine.generate()
+    step = engine.decode()
     out += [int(step.ids[n, 0]) for n in range(step.ids.shape[0]) if step.valid[n, 0]]
 print(json.dumps({"tokens": out[:9], "hits": len(hits)}))
 """

@@ -44,13 +44,13 @@ def long_prompt(tok, words: int = 0) -> list[int]:
 
 
 def run(engine, ids, params, want_prompt_logprobs=True, salt=None, slot=5):
-    """prefill -> insert -> generate until done; (cached tokens, [(id, logprob, top_ids, top_logprobs)], prompt)."""
+    """prefill -> insert -> decode until done; (cached tokens, [(id, logprob, top_ids, top_logprobs)], prompt)."""
     prefix = engine.prefill(ids, want_prompt_logprobs, salt)
     prompt = engine.prompt_logprobs(prefix)
     first = engine.insert(prefix, slot, params)
     tokens = [first]
     while not tokens[-1].done:
-        step = engine.generate()
+        step = engine.decode()
         tokens += [step.token(i, slot) for i in range(step.ids.shape[0]) if step.valid[i, slot]]
     engine.release(slot)
     out = [(t.token_id, t.logprob, t.top_ids.copy(), t.top_logprobs.copy()) for t in tokens]
