@@ -1,9 +1,10 @@
 """The model's tokenizer at run time: ids <-> text, the id -> raw-bytes table, special and EOS ids, and chat
 prompts as ids.
 
-Built from a GGUF file's own metadata (tokenizer_gguf.py: `gguf` and `tokenizers` only, no torch, no
-transformers) or from a Hugging Face tokenizer directory (tokenizer_hf.py, which also saves one). Chat templates
-are rendered by chat_template.py, which keeps message content out of the special-token namespace.
+Built from the `TokenizerParts` of a GGUF file's own metadata (tokenizer_gguf.py: `gguf` and `tokenizers` only,
+no torch, no transformers) or of a Hugging Face tokenizer directory (tokenizer_hf.py, which also saves one).
+Chat templates are rendered by chat_template.py, which keeps message content out of the special-token
+namespace.
 """
 
 from __future__ import annotations
@@ -15,24 +16,17 @@ from typing import Any
 import tokenizers
 from tokenizers import pre_tokenizers
 from tpuserve.model.chat_template import ChatTemplate, generic_tool_messages
+from tpuserve.model.tokenizer_gguf import gguf_tokenizer_parts
+from tpuserve.model.tokenizer_hf import hf_dir_tokenizer_parts, save_hf_dir
+from tpuserve.model.tokenizer_parts import TokenizerParts
 
 
 class Tokenizer:
     """One model's tokenizer. Immutable after construction, safe to share between threads."""
 
-    def __init__(
-        self,
-        backend: tokenizers.Tokenizer,
-        *,
-        token_bytes: list[bytes],
-        eos_ids: Sequence[int],
-        bos_id: int | None,
-        add_bos: bool,
-        chat_template: str | None,
-        template_tokens: Mapping[str, str | None],
-        source: str,
-    ) -> None:
-        self.source = source
+    def __init__(self, parts: TokenizerParts) -> None:
+        backend = parts.backend
+        self.source = parts.source
         self._backend = backend
         # Content is encoded by a second instance with special-token matching off (no shared mutable flag).
         self._plain = tokenizers.Tokenizer.from_str(backend.to_str())
@@ -51,16 +45,18 @@ class Tokenizer:
         added = backend.get_added_tokens_decoder()
         self._special_text: dict[int, str] = {i: t.content for i, t in added.items() if t.special}
         self.special_ids: frozenset[int] = frozenset(self._special_text)
-        self.vocab_size: int = len(token_bytes)
+        self.vocab_size: int = len(parts.token_bytes)
         self.token_bytes: list[bytes] = [
-            b"" if i in self.special_ids else b for i, b in enumerate(token_bytes)
+            b"" if i in self.special_ids else b for i, b in enumerate(parts.token_bytes)
         ]
-        self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_ids))
-        self.bos_id = bos_id
-        self.add_bos = add_bos
-        self.chat_template = chat_template
+        self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in parts.eos_ids))
+        self.bos_id = parts.bos_id
+        self.add_bos = parts.add_bos
+        self.chat_template = chat_template = parts.chat_template
         # The chat template's variables (bos_token, eos_token, unk_token, pad_token) that have a value.
-        self.template_tokens: dict[str, str] = {k: v for k, v in template_tokens.items() if v is not None}
+        self.template_tokens: dict[str, str] = {
+            k: v for k, v in parts.template_tokens.items() if v is not None
+        }
         self._chat = (
             None
             if chat_template is None
@@ -72,23 +68,27 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | pathlib.Path, reader: Any = None) -> Tokenizer:
         """From a GGUF's `tokenizer.ggml.*` metadata. Pass an open `gguf.GGUFReader` to avoid parsing twice."""
-        from tpuserve.model.tokenizer_gguf import tokenizer_from_gguf
-
-        return tokenizer_from_gguf(path, reader)
+        return cls(gguf_tokenizer_parts(path, reader))
 
     @classmethod
     def from_hf_dir(cls, path: str | pathlib.Path) -> Tokenizer:
         """From a Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json, optional config.json,
         generation_config.json, chat_template.jinja); transformers is used only when tokenizer.json is missing."""
-        from tpuserve.model.tokenizer_hf import tokenizer_from_hf_dir
-
-        return tokenizer_from_hf_dir(path)
+        return cls(hf_dir_tokenizer_parts(path))
 
     def save_pretrained(self, directory: str | pathlib.Path) -> None:
         """Write tokenizer.json + tokenizer_config.json, loadable by `from_hf_dir` (and transformers)."""
-        from tpuserve.model.tokenizer_hf import save_hf_dir
-
-        save_hf_dir(self, directory)
+        save_hf_dir(
+            directory,
+            self.to_json(),
+            add_bos=self.add_bos,
+            chat_template=self.chat_template,
+            eos_ids=self.eos_ids,
+            special_tokens=[self.token_text(i) for i in sorted(self.special_ids)],
+            template_tokens=self.template_tokens,
+            bos_token=None if self.bos_id is None else self.token_text(self.bos_id),
+            eos_token=self.token_text(self.eos_ids[0]) if self.eos_ids else None,
+        )
 
     def to_json(self) -> str:
         """The backend tokenizer as the text of a Hugging Face tokenizer.json."""

@@ -1,5 +1,6 @@
-"""Building a `Tokenizer` from a GGUF file's own metadata (`tokenizer.ggml.*`), with the `gguf` and `tokenizers`
-packages only (no torch, no transformers), splitting text as llama.cpp does for the same vocabulary."""
+"""Reading a tokenizer (`TokenizerParts`) from a GGUF file's own metadata (`tokenizer.ggml.*`), with the `gguf`
+and `tokenizers` packages only (no torch, no transformers), splitting text as llama.cpp does for the same
+vocabulary."""
 
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ from tpuserve.model.token_bytes import (
     byte_level_token_bytes,
     sentencepiece_token_bytes,
 )
-from tpuserve.model.tokenizer import Tokenizer
-from tpuserve.model.tokenizer_hf import bos_eos_post_processor
+from tpuserve.model.tokenizer_parts import TokenizerParts, bos_eos_post_processor
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ _DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell", "command-r", 
 _Field = Callable[..., Any]
 
 
-def tokenizer_from_gguf(path: str | pathlib.Path, reader: Any = None) -> Tokenizer:
+def gguf_tokenizer_parts(path: str | pathlib.Path, reader: Any = None) -> TokenizerParts:
     """From a GGUF's `tokenizer.ggml.*` metadata. Pass an open `gguf.GGUFReader` to avoid parsing twice."""
     path = pathlib.Path(path)
     field = _field_getter(_open_reader(path) if reader is None else reader)
@@ -75,7 +75,7 @@ def tokenizer_from_gguf(path: str | pathlib.Path, reader: Any = None) -> Tokeniz
     if post is not None:
         backend.post_processor = post
     end_ids = (eos_id, field("tokenizer.ggml.eot_token_id"), field("tokenizer.ggml.eom_token_id"))
-    return Tokenizer(
+    return TokenizerParts(
         backend,
         token_bytes=token_bytes,
         eos_ids=[i for i in end_ids if _token_at(tokens, i) is not None],

@@ -1,4 +1,4 @@
-"""Loading a `Tokenizer` from a Hugging Face tokenizer directory, and saving one as such a directory.
+"""Reading a Hugging Face tokenizer directory into `TokenizerParts`, and writing a tokenizer as such a directory.
 
 tokenizer.json is read with `tokenizers`; transformers is imported only to convert a directory that has no
 tokenizer.json (e.g. only a SentencePiece tokenizer.model).
@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import json
 import pathlib
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import tokenizers
 from tokenizers import processors
 from tpuserve.model.token_bytes import byte_level_token_bytes, sentencepiece_token_bytes
-from tpuserve.model.tokenizer import Tokenizer
+from tpuserve.model.tokenizer_parts import TokenizerParts, bos_eos_post_processor
 
 _TEMPLATE_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
-def tokenizer_from_hf_dir(path: str | pathlib.Path) -> Tokenizer:
+def hf_dir_tokenizer_parts(path: str | pathlib.Path) -> TokenizerParts:
     """From a Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json, optional config.json,
     generation_config.json, chat_template.jinja); transformers is used only when tokenizer.json is missing."""
     path = pathlib.Path(path)
@@ -31,7 +32,7 @@ def tokenizer_from_hf_dir(path: str | pathlib.Path) -> Tokenizer:
     eos_ids = _eos_ids(path, backend, config, eos_text)
     adds_bos = _follow_add_bos_token(backend, config, bos_text, bos_id, eos_text)
     token_bytes = _token_bytes(backend)
-    return Tokenizer(
+    return TokenizerParts(
         backend,
         token_bytes=token_bytes,
         eos_ids=[i for i in eos_ids if 0 <= i < len(token_bytes)],
@@ -43,39 +44,37 @@ def tokenizer_from_hf_dir(path: str | pathlib.Path) -> Tokenizer:
     )
 
 
-def save_hf_dir(tokenizer: Tokenizer, directory: str | pathlib.Path) -> None:
-    """Write tokenizer.json + tokenizer_config.json, loadable by `tokenizer_from_hf_dir` (and transformers)."""
+def save_hf_dir(
+    directory: str | pathlib.Path,
+    tokenizer_json: str,
+    *,
+    add_bos: bool,
+    chat_template: str | None,
+    eos_ids: Sequence[int],
+    special_tokens: Sequence[str],
+    template_tokens: Mapping[str, str],
+    bos_token: str | None,
+    eos_token: str | None,
+) -> None:
+    """Write tokenizer.json + tokenizer_config.json, loadable by `hf_dir_tokenizer_parts` (and transformers)."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "tokenizer.json").write_text(tokenizer.to_json(), encoding="utf-8")
+    (directory / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "clean_up_tokenization_spaces": False,
-        "add_bos_token": tokenizer.add_bos,
+        "add_bos_token": add_bos,
         "add_eos_token": False,
-        "chat_template": tokenizer.chat_template,
-        "tpuserve_eos_token_ids": list(tokenizer.eos_ids),
-        "additional_special_tokens": [tokenizer.token_text(i) for i in sorted(tokenizer.special_ids)],
-        **tokenizer.template_tokens,
+        "chat_template": chat_template,
+        "tpuserve_eos_token_ids": list(eos_ids),
+        "additional_special_tokens": list(special_tokens),
+        **template_tokens,
     }
-    if tokenizer.eos_ids:
-        config["eos_token"] = tokenizer.token_text(tokenizer.eos_ids[0])
-    if tokenizer.bos_id is not None:
-        config["bos_token"] = tokenizer.token_text(tokenizer.bos_id)
+    if eos_token is not None:
+        config["eos_token"] = eos_token
+    if bos_token is not None:
+        config["bos_token"] = bos_token
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-
-
-def bos_eos_post_processor(
-    bos: tuple[str, int] | None, eos: tuple[str, int] | None
-) -> processors.PostProcessor | None:
-    """A post-processor that wraps encoded text in BOS and/or EOS ((text, id) pairs); None if neither."""
-    if bos is None and eos is None:
-        return None
-    first = ([bos[0]] if bos else []) + ["$A:0"] + ([eos[0]] if eos else [])
-    second = ([bos[0] + ":1"] if bos else []) + ["$B:1"] + ([eos[0] + ":1"] if eos else [])
-    return processors.TemplateProcessing(
-        single=" ".join(first), pair=" ".join(first + second), special_tokens=[t for t in (bos, eos) if t]
-    )
 
 
 def _backend_and_config(path: pathlib.Path) -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
