@@ -1,10 +1,10 @@
 """No import cycles between tpuserve's own modules, read from the source (nothing is imported).
 
 An edge is an `import` / `from ... import` of a tpuserve.* module that runs when its module is imported: at the
-top level, or inside `if`/`try`/`with` blocks and class bodies there, including `if TYPE_CHECKING:` blocks (a
-cycle through types is still two modules that each need the other). Imports inside functions are not edges
-there; a second test adds them, so that no cycle hides behind a lazy import, and the tokenizer modules are held to
-no lazy imports of each other at all (their readers return TokenizerParts, so none needs the Tokenizer class)."""
+top level, or inside `if`/`try`/`with` blocks and class bodies there; not in `if TYPE_CHECKING:` blocks, which
+never run. Imports inside functions are not edges there; a second test adds them, so that no cycle hides behind
+a lazy import, and the tokenizer modules are held to no lazy imports of each other at all (their readers return
+TokenizerParts, so none needs the Tokenizer class)."""
 
 from __future__ import annotations
 
@@ -45,13 +45,27 @@ def imported_names(node: ast.Import | ast.ImportFrom, module: str, is_package: b
     return [base] + [f"{base}.{alias.name}" for alias in node.names]
 
 
+def is_type_checking(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`): a block only type checkers read."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
 def run_time_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
-    """Import statements that run on import: everywhere except inside function bodies."""
+    """Import statements that run on import: everywhere except inside function bodies and TYPE_CHECKING blocks."""
     found: list[ast.Import | ast.ImportFrom] = []
     stack: list[ast.AST] = list(tree.body)
     while stack:
         node = stack.pop()
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            continue
+        if is_type_checking(node):
+            assert isinstance(node, ast.If)
+            stack.extend(node.orelse)
             continue
         if isinstance(node, ast.Import | ast.ImportFrom):
             found.append(node)
@@ -126,6 +140,10 @@ def test_the_module_graph_is_found() -> None:
     assert "tpuserve.model.tokenizer_parts" in graph["tpuserve.model.tokenizer_gguf"]
     assert "tpuserve.proto.tpuserve.v1.tpuserve_pb2" in graph["tpuserve.proto.tpuserve.v1.tpuserve_pb2_grpc"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    source = "if TYPE_CHECKING:\n    import t.a\nelse:\n    import t.b\nclass C:\n    import t.c\ndef f():\n    import t.d\n"
+    tree = ast.parse(source)
+    assert sorted(n.names[0].name for n in run_time_imports(tree)) == ["t.b", "t.c"]
+    assert [n.names[0].name for n in function_imports(tree)] == ["t.d"]
 
 
 def test_no_import_cycle_between_product_modules() -> None:
