@@ -15,12 +15,12 @@ from starlette.datastructures import Headers
 from tpuserve.http_gateway import chat, completions, openapi, responses
 from tpuserve.http_gateway.auth import BearerAuth
 from tpuserve.http_gateway.backends import BackendPool, BackendTLS
+from tpuserve.http_gateway.completion_objects import ModelCard, ModelList, OpenAIObject
 from tpuserve.http_gateway.errors import APIError, install_handlers
 from tpuserve.http_gateway.observability import GatewayMetrics, Limits, Observe, note_request
 from tpuserve.http_gateway.request_models import ChatCompletionRequest, CompletionRequest
 from tpuserve.http_gateway.request_parsing import parse_request
-from tpuserve.http_gateway.response_models import ModelCard, ModelList, OpenAIObject
-from tpuserve.http_gateway.responses_models import CreateResponseRequest
+from tpuserve.http_gateway.responses_request import CreateResponseRequest
 
 OWNED_BY = "tpuserve"
 T = TypeVar("T")

@@ -18,11 +18,9 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 from tpuserve.http_gateway import observability, proto_mapping
+from tpuserve.http_gateway.backend_messages import collect, finish_reason, messages
 from tpuserve.http_gateway.backends import BackendPool, GenerateStream
-from tpuserve.http_gateway.errors import APIError
-from tpuserve.http_gateway.logprobs import chat_logprobs, finite, token_text
-from tpuserve.http_gateway.request_models import ChatCompletionRequest, ChatMessage
-from tpuserve.http_gateway.response_models import (
+from tpuserve.http_gateway.completion_objects import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -36,7 +34,9 @@ from tpuserve.http_gateway.response_models import (
     ToolCallOut,
     Usage,
 )
-from tpuserve.http_gateway.samples import collect, finish_reason, messages
+from tpuserve.http_gateway.errors import APIError
+from tpuserve.http_gateway.logprobs import chat_logprobs, finite, token_text
+from tpuserve.http_gateway.request_models import ChatCompletionRequest, ChatMessage
 from tpuserve.http_gateway.sse import sse_stream
 from tpuserve.http_gateway.structured import name_guided_error
 from tpuserve.http_gateway.tools import (

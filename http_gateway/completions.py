@@ -16,11 +16,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from tpuserve.http_gateway import observability, proto_mapping
+from tpuserve.http_gateway.backend_messages import collect, finish_reason, messages
 from tpuserve.http_gateway.backends import BackendPool, GenerateStream
+from tpuserve.http_gateway.completion_objects import Completion, CompletionChoice, Usage
 from tpuserve.http_gateway.logprobs import CompletionLogprobs, finite
 from tpuserve.http_gateway.request_models import CompletionRequest
-from tpuserve.http_gateway.response_models import Completion, CompletionChoice, Usage
-from tpuserve.http_gateway.samples import collect, finish_reason, messages
 from tpuserve.http_gateway.sse import sse_stream
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 

@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from tpuserve.http_gateway.response_models import ErrorDetail, ErrorResponse
+from tpuserve.http_gateway.completion_objects import ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from tpuserve.http_gateway.response_models import (
+from tpuserve.http_gateway.completion_objects import (
     ChoiceLogprobs,
     CompletionLogprobsOut,
     TokenLogprob,

@@ -1,6 +1,6 @@
 """Gateway limits, Prometheus metrics and per-request JSON log lines, as one plain ASGI middleware.
 
-Each request gets a `RequestRecord` (a context variable, so the token-timing code in samples.py finds it,
+Each request gets a `RequestRecord` (a context variable, so the token-timing code in backend_messages.py finds it,
 also inside streaming responses): its id is the response id (`chatcmpl-...`, `cmpl-...`), sent to the backend
 as `GenerateRequest.request_id` (a completions request with several prompts sends `<id>-<i>`), returned in
 the `x-request-id` header and logged on both sides. Prompts are logged only with `log_prompts`."""

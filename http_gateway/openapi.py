@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel
-from tpuserve.http_gateway.request_models import ChatCompletionRequest, CompletionRequest
-from tpuserve.http_gateway.response_models import (
+from tpuserve.http_gateway.completion_objects import (
     ChatCompletion,
     ChatCompletionChunk,
     Completion,
@@ -21,7 +20,9 @@ from tpuserve.http_gateway.response_models import (
     ModelCard,
     ModelList,
 )
-from tpuserve.http_gateway.responses_models import CreateResponseRequest, Response
+from tpuserve.http_gateway.request_models import ChatCompletionRequest, CompletionRequest
+from tpuserve.http_gateway.responses_objects import Response
+from tpuserve.http_gateway.responses_request import CreateResponseRequest
 
 _REF = "#/components/schemas/{model}"
 VERSION = "0.1.0"

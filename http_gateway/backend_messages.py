@@ -1,4 +1,5 @@
-"""Backend `GenerateResponse` messages -> per-sample results; shared by the chat and completions renderers."""
+"""Backend `GenerateResponse` messages -> per-sample results; shared by the chat, completions and Responses API
+renderers."""
 
 from __future__ import annotations
 

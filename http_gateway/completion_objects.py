@@ -1,4 +1,6 @@
-"""Response bodies in the OpenAI shapes (chat completion + chunk, completion, model list, usage).
+"""The bodies the chat and completions endpoints answer with, in OpenAI's shapes (chat.completion and its chunk,
+text_completion, usage, logprobs), plus /v1/models' model list and the error body. `OpenAIObject` is the base of
+every answer object, the Responses API's (responses_objects.py) included.
 
 Serialize with `dump()`: fields left unset are omitted (a chunk's `delta` holds only what it carries, `usage`
 appears only when asked); every field the spec requires is always set explicitly by the renderers.

@@ -1,12 +1,10 @@
-"""/v1/responses (the OpenAI Responses API): the request body with the spec's bounds, and the Response object and
-stream events the gateway sends back.
+"""/v1/responses (the OpenAI Responses API): the request body with the spec's bounds, and `check_supported`, which
+refuses what this server cannot do.
 
 Requests follow request_models.py: `extra="forbid"` and strict types, so a field we do not implement is a 400
 naming it. What the spec has but this server cannot do (no state is kept: `store: true`,
 `previous_response_id`, `background`, `conversation`, `prompt`; built-in tools; other `include` values) is
 accepted by the schema and refused by `check_supported` with a 400 naming the parameter, never dropped.
-
-Responses are dumped in full (`dump()` keeps nulls): the spec requires many nullable keys to be present.
 """
 
 from __future__ import annotations
@@ -14,13 +12,12 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 from pydantic_core import PydanticCustomError
 from tpuserve.http_gateway import structured
 from tpuserve.http_gateway import tools as fn_tools
 from tpuserve.http_gateway.errors import invalid_request, missing_parameter, unsupported
 from tpuserve.http_gateway.request_models import INT32_MAX, CacheSalt, Seed, Temperature, TopP
-from tpuserve.http_gateway.response_models import OpenAIObject, TokenLogprob
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_METADATA = 16  # the spec's bounds on `metadata`
@@ -80,6 +77,11 @@ InputContentPart = Annotated[
 ]
 
 
+def _joined(content: str | list[InputTextContent] | list[InputContentPart]) -> str:
+    """A content string, or the text of its parts, joined."""
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
 class InputMessage(_Strict):
     """EasyInputMessage / InputMessage / ResponseOutputMessage: `type` "message" or absent; `id` and `status` are what
     a previous Response's output item carries when a client sends it back."""
@@ -91,9 +93,7 @@ class InputMessage(_Strict):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+        return _joined(self.content)
 
 
 class FunctionCallItem(_Strict):
@@ -117,9 +117,7 @@ class FunctionCallOutputItem(_Strict):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "".join(p.text for p in self.output)
+        return _joined(self.output)
 
 
 class _UnsupportedItem(BaseModel):
@@ -396,207 +394,3 @@ class CreateResponseRequest(_Strict):
         """Tools are rendered for the model and its output parsed for calls: function tools given, choice not
         "none", and no structured format taking over the output (as chat decides)."""
         return bool(self.functions()) and self.choice() != "none" and not self.structured()
-
-
-# ---- response ---------------------------------------------------------------------------------------------
-
-
-class _Full(OpenAIObject):
-    """Dumped with every field, nulls included (the spec requires them present)."""
-
-    def dump(self) -> str:
-        return self.model_dump_json(by_alias=True)
-
-
-class ResponseOutputText(_Full):
-    type: Literal["output_text"] = "output_text"
-    text: str
-    annotations: list[Any]
-    logprobs: list[TokenLogprob]
-
-
-class ResponseOutputMessage(_Full):
-    id: str
-    type: Literal["message"] = "message"
-    role: Literal["assistant"] = "assistant"
-    status: Literal["in_progress", "completed", "incomplete"]
-    content: list[ResponseOutputText]
-
-
-class ResponseFunctionCall(_Full):
-    id: str
-    type: Literal["function_call"] = "function_call"
-    call_id: str
-    name: str
-    arguments: str
-    status: Literal["in_progress", "completed", "incomplete"]
-
-
-ResponseOutputItem = ResponseOutputMessage | ResponseFunctionCall
-
-
-class ResponseInputTokensDetails(_Full):
-    cached_tokens: int  # prompt tokens whose KV came from the backend's prefix cache
-    cache_write_tokens: int = 0
-
-
-class ResponseOutputTokensDetails(_Full):
-    reasoning_tokens: int = 0
-
-
-class ResponseUsage(_Full):
-    input_tokens: int
-    input_tokens_details: ResponseInputTokensDetails
-    output_tokens: int
-    output_tokens_details: ResponseOutputTokensDetails
-    total_tokens: int
-
-    @classmethod
-    def of(cls, input_tokens: int, output_tokens: int, cached: int) -> ResponseUsage:
-        return cls(
-            input_tokens=input_tokens,
-            input_tokens_details=ResponseInputTokensDetails(cached_tokens=cached),
-            output_tokens=output_tokens,
-            output_tokens_details=ResponseOutputTokensDetails(),
-            total_tokens=input_tokens + output_tokens,
-        )
-
-
-class ResponseIncompleteDetails(_Full):
-    reason: Literal["max_output_tokens", "content_filter"]
-
-
-class ResponseReasoning(_Full):
-    effort: None = None
-    summary: None = None
-
-
-class ResponseText(_Full):
-    format: dict[str, Any]
-    verbosity: Literal["medium"] = "medium"
-
-
-class ResponseFunctionTool(_Full):
-    type: Literal["function"] = "function"
-    name: str
-    description: str | None
-    parameters: dict[str, Any] | None
-    strict: bool | None
-
-
-class Response(_Full):
-    id: str
-    object: Literal["response"] = "response"
-    created_at: int
-    status: Literal["completed", "in_progress", "incomplete", "failed"]
-    completed_at: int | None = None
-    background: bool = False
-    error: None = None
-    incomplete_details: ResponseIncompleteDetails | None = None
-    instructions: str | None
-    max_output_tokens: int | None
-    max_tool_calls: None = None
-    model: str
-    output: list[ResponseOutputItem]
-    parallel_tool_calls: bool
-    previous_response_id: None = None
-    reasoning: ResponseReasoning = Field(default_factory=ResponseReasoning)
-    safety_identifier: str | None
-    service_tier: Literal["default"] = "default"
-    store: bool = False
-    temperature: float
-    text: ResponseText
-    tool_choice: str | dict[str, Any]
-    tools: list[ResponseFunctionTool]
-    top_logprobs: int
-    top_p: float
-    truncation: Literal["disabled"] = "disabled"
-    usage: ResponseUsage | None = None  # None (left out) until the response is finished
-    user: str | None = None
-    metadata: dict[str, str]
-
-    @model_serializer(mode="wrap")
-    def _without_nulls_the_spec_refuses(self, handler):
-        """`usage` and `user` are left out when None: the spec's are an object and a string, not nullable.
-        (Unannotated on purpose: with a return annotation the JSON schema would be that type, not the model's.)"""
-        data = handler(self)
-        for key in ("usage", "user"):
-            if key in data and data[key] is None:
-                del data[key]
-        return data
-
-
-# ---- stream events (each carries its sequence_number) -------------------------------------------------------
-
-
-class ResponseEvent(_Full):
-    type: str
-    sequence_number: int
-
-
-class ResponseLifecycleEvent(ResponseEvent):
-    """response.created / in_progress / completed / incomplete."""
-
-    response: Response
-
-
-class OutputItemEvent(ResponseEvent):
-    """response.output_item.added / done."""
-
-    output_index: int
-    item: ResponseOutputItem
-
-
-class ContentPartEvent(ResponseEvent):
-    """response.content_part.added / done."""
-
-    item_id: str
-    output_index: int
-    content_index: int
-    part: ResponseOutputText
-
-
-class TextDeltaEvent(ResponseEvent):
-    item_id: str
-    output_index: int
-    content_index: int
-    delta: str
-    logprobs: list[TokenLogprob]
-
-
-class TextDoneEvent(ResponseEvent):
-    item_id: str
-    output_index: int
-    content_index: int
-    text: str
-    logprobs: list[TokenLogprob]
-
-
-class FunctionCallArgumentsDeltaEvent(ResponseEvent):
-    item_id: str
-    output_index: int
-    delta: str
-
-
-class FunctionCallArgumentsDoneEvent(ResponseEvent):
-    item_id: str
-    name: str
-    output_index: int
-    arguments: str
-
-
-class ErrorEventDetail(_Full):
-    type: str
-    code: str | None
-    message: str
-    param: str | None
-
-
-class ErrorEvent(ResponseEvent):
-    """The spec's ResponseErrorEvent (code, message, param at the top), plus OpenAI's observed nested `error`
-    object, on which the official SDKs raise."""
-
-    code: str | None
-    message: str
-    param: str | None
-    error: ErrorEventDetail
