@@ -1,4 +1,4 @@
-"""Request fields shared by both endpoints -> proto `SamplingParams` / `StoppingCriteria` / `cache_salt`, and
+"""Request fields shared by the endpoints -> proto `SamplingParams` / `StoppingCriteria` / `cache_salt`, and
 `PromptIdsTap`, which keeps the prompt's token ids (return_token_ids) from a backend stream as it is read."""
 
 from __future__ import annotations

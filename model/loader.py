@@ -25,9 +25,9 @@ from tpuserve.model.llama import Llama, module_params
 from tpuserve.model.quant import INT8_PARAMS, is_quantized, map_fields, quantize_int8, to_planar, tree_nbytes
 
 QUANTIZATION_MODES = ("none", "keep", "int8")
-# What a GGUF model is served as when no mode is asked for, chosen by measurement (`make bench --only quant`,
-# README "Quantized weights"): on this 2-core CPU keep matches fp32 at 64 streams (0.89x / 1.06x in two runs)
-# and leans slower at one (0.98x / 0.87x), in 0.21x the bytes, with the same logprobs.
+# What a GGUF model is served as when no mode is asked for: on a 2-core CPU keep serves about as fast as fp32 at
+# 64 streams and a little slower at one (`make bench --only quant`, README "Quantized weights"), in a fifth of the
+# bytes, with the same logprobs.
 DEFAULT_GGUF_QUANTIZATION = "keep"
 
 

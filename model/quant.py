@@ -103,8 +103,7 @@ def _xp(*arrays: Any) -> Any:
 def unpack4(packed: Any) -> Any:
     """uint8 [..., n // 2] (two 4-bit values per byte, per block of 32) -> int8 [..., n] in 0..15; numpy in, numpy
     out. Written as one broadcast shift (not a concatenation of the two nibbles) so that XLA fuses it into the
-    dequantization loop: measured on XLA:CPU, the concatenation made a kept 4-bit layer's product 2.8x slower
-    than fp32's."""
+    dequantization loop: on XLA:CPU a concatenation makes a kept 4-bit layer's product 2.8x slower than fp32's."""
     xp = _xp(packed)
     *lead, half = packed.shape
     b = packed.reshape(*lead, half // (PACK // 2), 1, PACK // 2)
@@ -125,10 +124,10 @@ def to_planar(w: Any) -> Any:
     bit-identical (tests/model/test_quant.py). Anything else is returned as it is.
 
     Why: XLA:CPU turns the block order's unpacking (a shift chosen by the position in each block of 32) into
-    index arithmetic per weight, which dominated small decode steps: measured on the embedded model's layer
-    shapes (30 stacked layers of Q/K/V, O, gate/up and down products, 7 runs, median), 2 rows 36.0 -> 27.2 ms,
-    64 rows 130.9 -> 121.6 ms; one byte per value would be 21.4 / 118.1 ms but 1.5x the bytes. Row halves keep the
-    input axis whole, so only an unsharded model uses them (a shard of the input axis needs whole blocks)."""
+    index arithmetic per weight, which dominates small decode steps: on the embedded model's layer products row
+    halves are about a quarter faster at 2 rows and 7 % at 64; one byte per value would be faster still, but in
+    1.5x the bytes. Row halves keep the input axis whole, so only an unsharded model uses them (a shard of the
+    input axis needs whole blocks)."""
     if not is_quantized(w) or w.bits != 4 or w.planar:
         return w
     v = unpack4(w.q).astype(np.uint8)
@@ -150,15 +149,15 @@ def tree_nbytes(tree: Any) -> int:
 
 
 # XLA:CPU: a quantized matrix whose fp32 form is larger than this is multiplied in row chunks of about this size,
-# each dequantized while it stays in the cache. Measured on the embedded model's tied Q8_0 embedding (the logits,
-# 49152 x 576): 59 ms unchunked, 7.8 ms in chunks of 4096 rows (9 MiB), 12.5 ms for the fp32 matrix; bit-identical.
+# each dequantized while it stays in the cache: on the embedded model's tied Q8_0 embedding (the logits, 49152 x
+# 576), chunks of 4096 rows (9 MiB) are 7x faster than one product and faster than the fp32 matrix; bit-identical.
 CPU_CHUNK_BYTES = 9 << 20
 
 
 def precision(dtype: Any) -> jax.lax.Precision | None:
     """The precision every product of the model asks for: HIGHEST for fp32 operands, else the backend's default.
-    JAX's default lets a GPU multiply fp32 in TF32 and a TPU in bf16 passes: on an H200 that moved the embedded
-    model's logprobs by up to 4.1e-2 from the CPU's, against 8.8e-5 at HIGHEST (bench/device.py, 2026-12-04).
+    JAX's default lets a GPU multiply fp32 in TF32 and a TPU in bf16 passes: on an H200 that moves the embedded
+    model's logprobs by up to 4.1e-2 from the CPU's, against 8.8e-5 at HIGHEST (bench/device.py).
     A fp32 config asks for fp32 results; bf16 configs are unaffected. XLA:CPU computes fp32 products the same
     either way."""
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None

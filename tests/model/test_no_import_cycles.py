@@ -140,7 +140,11 @@ def test_the_module_graph_is_found() -> None:
     assert "tpuserve.model.tokenizer_parts" in graph["tpuserve.model.tokenizer_gguf"]
     assert "tpuserve.proto.tpuserve.v1.tpuserve_pb2" in graph["tpuserve.proto.tpuserve.v1.tpuserve_pb2_grpc"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    source = "if TYPE_CHECKING:\n    import t.a\nelse:\n    import t.b\nclass C:\n    import t.c\ndef f():\n    import t.d\n"
+    source = (
+        "if TYPE_CHECKING:\n    import t.a\nelse:\n    import t.b\n"
+        "class C:\n    import t.c\n"
+        "def f():\n    import t.d\n"
+    )
     tree = ast.parse(source)
     assert sorted(n.names[0].name for n in run_time_imports(tree)) == ["t.b", "t.c"]
     assert [n.names[0].name for n in function_imports(tree)] == ["t.d"]
