@@ -1,6 +1,6 @@
-"""Fault tests with real processes on loopback (issue 6): a backend killed with SIGKILL mid-stream and restarted
-on the same port, two backends with one killed, 100 streaming clients that go away mid-generation over the real
-backend, and SIGTERM on a `tpuserve gateway` process with a stream in flight.
+"""Fault tests with real processes on loopback: a backend killed with SIGKILL mid-stream and restarted on the
+same port, two backends with one killed, 100 streaming clients that go away mid-generation over the real backend,
+and SIGTERM on a `tpuserve gateway` process with a stream in flight.
 
 The scripted backend (scripted_backend.py) runs here as its own process (BACKEND_MAIN) so it can be SIGKILLed."""
 

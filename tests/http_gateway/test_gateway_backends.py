@@ -221,7 +221,7 @@ def test_client_timeout_on_a_non_streamed_request_cancels_the_backend_call(scrip
     body.update({"messages": [{"role": "user", "content": prompt}]} if path == CHAT else {"prompt": prompt})
     servicer = scripted_gateway.scripted.servicer
     before = len(servicer.requests)
-    # 2 s: long enough for the gateway to reach the backend on a loaded 2-core CI machine (0.5 s was flaky),
+    # 2 s: long enough for the gateway to reach the backend on a loaded 2-core CI machine (0.5 s is not),
     # far shorter than the 20 s the slow script streams for
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(scripted_gateway.url + path, json=body, timeout=2.0)

@@ -1,6 +1,6 @@
-"""CORS (issue 6): off by default — no Access-Control-* header on any answer and no preflight; with allowed origins
-configured, a browser's preflight succeeds without the API key (browsers send none on preflights), allowed origins
-get the CORS headers on results and on errors, and other origins get none."""
+"""CORS: off by default — no Access-Control-* header on any answer and no preflight; with allowed origins
+configured, a browser's preflight succeeds without the API key (browsers send none on preflights), allowed
+origins get the CORS headers on results and on errors, and other origins get none."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A schemathesis run against the gateway's own OpenAPI document (issue 6, bad input); the document itself is
-checked in test_gateway_openapi.py.
+"""A schemathesis run against the gateway's own OpenAPI document (bad input from a client that reads the
+document); the document itself is checked in test_gateway_openapi.py.
 
 Schemathesis reads the document from the running gateway (uvicorn, in front of the scripted gRPC backend) and
 sends bodies that fit it (positive) and bodies that break it (negative: wrong types, out-of-range numbers, unknown

@@ -1,6 +1,6 @@
-"""Hostile request bodies against a `tpuserve gateway` process (over the scripted backend), issue 6: every answer
-is a 4xx in the OpenAI error shape, the gateway keeps serving, and its memory stays bounded. The hypothesis fuzz
-of random JSON bodies is test_hostile_fuzz.py."""
+"""Hostile request bodies against a `tpuserve gateway` process (over the scripted backend): every answer is a 4xx
+in the OpenAI error shape, the gateway keeps serving, and its memory stays bounded. The hypothesis fuzz of random
+JSON bodies is test_hostile_fuzz.py."""
 
 from __future__ import annotations
 
@@ -210,11 +210,11 @@ def test_hostile_requests_beyond_the_body(gw: GatewayProcess) -> None:
 @pytest.mark.parametrize(
     "body, param",
     [
-        (b"[" * 100_000, None),  # RecursionError in json: was a 500
+        (b"[" * 100_000, None),  # json raises RecursionError: must not become a 500
         (b'{"a":' * 100_000, None),
-        (b'{"model": "\\ud800", "prompt": "x"}', None),  # unpaired surrogate: protobuf failed on it, a 500
+        (b'{"model": "\\ud800", "prompt": "x"}', None),  # unpaired surrogate: protobuf cannot encode it
         (b'{"model": "m", "prompt": "\xed\xa0\x80"}', None),
-        (b'{"model": "m", "prompt": "x", "max_tokens": 2147483648}', "max_tokens"),  # proto int32: was a 500
+        (b'{"model": "m", "prompt": "x", "max_tokens": 2147483648}', "max_tokens"),  # past proto's int32
     ],
 )
 def test_parse_request_rejects_with_a_400(body: bytes, param: str | None) -> None:

@@ -1,6 +1,6 @@
 """A hypothesis fuzz of JSON bodies for both endpoints against a `tpuserve gateway` process (over the scripted
-backend), issue 6: never a 5xx, the OpenAI error shape for every non-200, and the gateway keeps serving. The
-hand-written hostile corpus is test_hostile.py."""
+backend): never a 5xx, the OpenAI error shape for every non-200, and the gateway keeps serving. The hand-written
+hostile corpus is test_hostile.py."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Load test (issue 6): 64 streaming clients for 30 s against a `tpuserve gateway` process in front of the real
-backend (the embedded model on the shared 64-slot engine, over loopback gRPC). Zero errors, and every request's
-text complete: each client sends greedy requests (chat and completions, half of them with logprobs) whose
-streamed text, finish reason and token count must equal those of the same request sent alone, non-streamed,
-before the load (the engine is batch-invariant, so load may not change a single token). Afterwards every slot
-is free and the queue empty. The longer soak with latency percentiles and RSS is bench/soak.py."""
+"""Load test: 64 streaming clients for 30 s against a `tpuserve gateway` process in front of the real backend
+(the embedded model on the shared 64-slot engine, over loopback gRPC). Zero errors, and every request's text
+complete: each client sends greedy requests (chat and completions, half of them with logprobs) whose streamed
+text, finish reason and token count must equal those of the same request sent alone, non-streamed, before the
+load (the engine is batch-invariant, so load may not change a single token). Afterwards every slot is free and
+the queue empty. The longer soak with latency percentiles and RSS is bench/soak.py."""
 
 from __future__ import annotations
 

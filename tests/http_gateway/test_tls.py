@@ -1,4 +1,4 @@
-"""TLS (issue 6), with certificates from a throwaway CA (trustme):
+"""TLS between client, gateway and backend, with certificates from a throwaway CA (trustme):
 
 - the gRPC backend (start_server with ServerTLS, over the fake engine) serves only TLS clients; with a client CA
   it also demands a client certificate (mutual TLS);
