@@ -18,7 +18,9 @@ def _tracked_files() -> list[pathlib.Path]:
 def test_no_file_names_a_folder_beside_the_repository():
     files = _tracked_files()
     assert len(files) > 100, "git ls-files listed the project"
-    offenders = [str(p.relative_to(ROOT)) for p in files if p.is_file() and OUTSIDE.encode() in p.read_bytes()]
+    offenders = [
+        str(p.relative_to(ROOT)) for p in files if p.is_file() and OUTSIDE.encode() in p.read_bytes()
+    ]
     assert offenders == []
 
 
