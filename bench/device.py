@@ -124,7 +124,8 @@ def _fidelity_run(loaded, ids: list[int], tokens: int):
 
     S = 1 << (len(ids) + tokens + 8).bit_length()  # one chunk, one attention bucket
     engine = JaxEngine(loaded, slots=2, max_seq_len=S, prefill_chunk=S, min_prefill_bucket=S,
-                       min_attend_bucket=S, min_batch_bucket=None, prefix_cache=False)  # fmt: skip
+                       min_attend_bucket=S, min_batch_bucket=None, steps_per_call_rows=None,
+                       prefix_cache=False)  # fmt: skip
     prefix = engine.prefill(ids, want_prompt_logprobs=True)
     prompt = engine.prompt_logprobs(prefix)
     first = engine.insert(prefix, 0, SlotParams(max_tokens=tokens, temperature=0.0))
@@ -244,8 +245,8 @@ def measure(cfg, params: dict, mode: str, slots: int, plan: Plan, prefill: bool)
     loaded = LoadedModel(cfg, params, None, "llama-3-8b-shape-random", "jax.random", 0.0, quantization=mode)
     engine = JaxEngine(loaded, slots=slots, max_seq_len=plan.S, steps_per_call=plan.N,
                        min_steps_per_call=plan.N, min_prefill_bucket=plan.C, prefill_chunk=plan.C,
-                       min_attend_bucket=plan.A, min_batch_bucket=None, prefix_cache=False,
-                       cache_dtype="bfloat16")  # fmt: skip
+                       min_attend_bucket=plan.A, min_batch_bucket=None, steps_per_call_rows=None,
+                       prefix_cache=False, cache_dtype="bfloat16")  # fmt: skip
     start, before = time.perf_counter(), _compiles[0]
     engine.warm_up(prompt_logprobs=False)
     out = {"warm_up_s": time.perf_counter() - start, "warm_up_compiles": _compiles[0] - before}

@@ -4,7 +4,7 @@ with hand-computable outputs can stand in for the real one in service tests (Jet
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -113,6 +113,19 @@ class PrefixCacheStats:
     evictions: int = 0  # blocks evicted (least recently used) to make room
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do and what it holds, declared by the engine: the service reads this and never probes
+    the engine's attributes. The defaults describe an engine of none of these (a test double)."""
+
+    structured_outputs: bool = False  # takes token masks (`constrain`, insert's `allowed`)
+    dtype: str = ""  # the KV cache's dtype
+    mesh: tuple[tuple[str, int], ...] = ()  # (axis name, size) of the device mesh; () on one device
+    weight_bytes: int = 0  # device bytes of the weights as the programs hold them
+    kv_cache_bytes: int = 0  # device bytes of the decode KV cache
+    quantization: str = ""  # how the weights are held (model.quant), "" when not said
+
+
 class Engine(abc.ABC):
     """prefill -> insert (per sample) -> decode (N steps, all slots) -> release.
 
@@ -125,8 +138,9 @@ class Engine(abc.ABC):
     steps_per_call: int  # the most steps one decode call makes
     vocab_size: int
     top_k_width: int = MAX_TOP_LOGPROBS
-    prefill_chunk: int = 512  # prompt tokens one prefill step computes at most
+    prefill_chunk: int  # prompt tokens one prefill step computes at most
     num_processes: int = 1  # JAX processes the engine's programs span (sampler/multihost.py)
+    capabilities: Capabilities = Capabilities()
 
     @property
     def mask_words(self) -> int:
@@ -144,7 +158,7 @@ class Engine(abc.ABC):
 
     def prefill_steps(
         self, tokens: list[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None
-    ) -> Iterator[Any]:
+    ) -> Generator[Any, None, None]:
         """`prefill` one chunk per `next()`: None until the last step yields the prefix. The engine thread puts
         decode calls between the chunks of a long prompt, so running streams never wait for a whole prompt.
         Closing the iterator early (a cancelled request) lets go of what it holds."""
@@ -211,3 +225,10 @@ class Engine(abc.ABC):
     def start_decode(self) -> Pending[StepArrays]:
         """Dispatch the next N decode steps. Outputs of a slot released meanwhile are to be ignored."""
         return Pending.ready(self.decode())
+
+    def set_fault_handler(self, on_fault: Callable[[str], None]) -> None:
+        """`on_fault(message)` runs (on any thread) when the engine can run no more calls: a process of its group
+        failed. An engine of one process never calls it."""
+
+    def stop_group(self) -> None:
+        """After the server's drain: the other processes of the engine's group stop. None for one process."""

@@ -25,8 +25,8 @@ class EngineConfig:
     # 64 rows: 1 step), so a request arriving under load waits for a short call; this is the floor
     # (= steps_per_call: fixed N).
     min_steps_per_call: int = 1
-    # The rows up to which a call makes N steps (an 8-row step costs little more than a 2-row one here: 57 vs
-    # 47 ms). null: the smallest batch bucket.
+    # The rows up to which a call makes N steps (an 8-row step costs little more than a 2-row one). null: the
+    # smallest batch bucket.
     steps_per_call_rows: int | None = 8
     min_prefill_bucket: int = 16  # the last, partial chunk of a prompt: padded to a power of two >= this
     # C: prompts are prefilled in chunks of C tokens at multiples of C, the prefix cache's blocks; a running
@@ -38,13 +38,12 @@ class EngineConfig:
     min_attend_bucket: int = 128
     # Decode runs on the smallest power-of-two row bucket (>= this, >= 2) covering the occupied slots; a
     # request's tokens and logprobs are bit-identical whatever the bucket (tests/sampler/test_batch_invariance.py).
-    # One stream on 2 rows: 1.27x the tokens/s of 8 over HTTP (README). null: always all slots.
+    # One stream decodes faster on 2 rows than on 8. null: always all slots.
     min_batch_bucket: int | None = 2
     # The decoder's layer loop: a `lax.scan` over stacked weights (one compiled layer), or unrolled over per-layer
-    # arrays. XLA:CPU copies a scanned weight slice, so unrolled decodes ~20 % faster there but compiles 3-6x
-    # longer (measured: decode 8 rows 150 vs 184 ms per step, compile 6.5 vs 2.2 s). On an H200 unrolled decoded
-    # a Llama-3-8B-shaped bf16 model 2.1x faster at 1 slot (12.5 -> 6.0 ms a step) and 1.5x at 64 (21.6 -> 14.5),
-    # compiling in 32 s instead of 14 s. null: scanned on CPU, unrolled on GPU/TPU.
+    # arrays. XLA:CPU copies a scanned weight slice, so unrolled decodes ~20 % faster there but compiles several
+    # times longer; on an accelerator unrolled decodes up to ~2x faster (a Llama-3-8B-shaped model on one GPU) and
+    # compiles ~2x longer. null: scanned on CPU, unrolled on GPU/TPU.
     scan_layers: bool | None = None
     # Prefix cache (device-resident, blocks of prefill_chunk tokens, least recently used evicted): a prompt
     # that starts with blocks an earlier one computed (same cache_salt) loads them instead of computing them.

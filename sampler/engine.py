@@ -11,12 +11,12 @@ Driven by one thread (the orchestrator's engine thread, which also runs `warm_up
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import logging
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +27,10 @@ from tpuserve.model.llama import cache_bytes
 from tpuserve.model.loader import LoadedModel
 from tpuserve.model.quant import tree_nbytes
 from tpuserve.model.sharding import DEFAULT_RULES, ShardingRules, cache_sharding
-from tpuserve.sampler import host_memory
+from tpuserve.sampler import warmup
 from tpuserve.sampler.api import (
     MAX_TOP_LOGPROBS,
+    Capabilities,
     Engine,
     Pending,
     PrefixCacheStats,
@@ -38,13 +39,14 @@ from tpuserve.sampler.api import (
     StepArrays,
     TokenOut,
 )
+from tpuserve.sampler.buckets import Buckets, bucket_for
+from tpuserve.sampler.config import EngineConfig
 from tpuserve.sampler.prefix_cache import PrefixIndex
 from tpuserve.sampler.programs import Pool, ProgramConfig, build_programs, init_pool, pool_block_bytes
 from tpuserve.sampler.state import init_decode_state, slot_sampling
 
 log = logging.getLogger(__name__)
 
-MIN_BATCH_BUCKET = 2  # one row takes another kernel (a matrix-vector product) that rounds differently
 # XLA:CPU rounds a decode step's norms, rotary embedding, softmax and sampling of 2 or 4 rows differently from 8 or
 # more (its products are the same from 2 rows up): smaller buckets run those on 8 rows (ProgramConfig).
 INVARIANT_ROWS = 8
@@ -58,21 +60,6 @@ def device_memory_bytes() -> int:
     if stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def power_of_two_buckets(smallest: int, largest: int) -> list[int]:
-    out, b = [], smallest
-    while b < largest:
-        out.append(b)
-        b *= 2
-    return out + [largest]
-
-
-def bucket_for(n: int, buckets: list[int]) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
 
 
 @dataclass
@@ -95,47 +82,32 @@ class JaxEngine(Engine):
     def __init__(
         self,
         loaded: LoadedModel,
-        slots: int = 8,
-        max_seq_len: int = 512,
-        steps_per_call: int = 8,
-        min_steps_per_call: int = 1,
-        min_prefill_bucket: int = 32,
-        prefill_chunk: int = 128,
-        min_attend_bucket: int = 128,
-        min_batch_bucket: int | None = 8,
-        steps_per_call_rows: int | None = None,
-        prefix_cache: bool = True,
-        prefix_cache_bytes: int | None = None,
-        processed_logprobs: bool = False,
-        cache_dtype: str | None = None,
-        scan_layers: bool | None = None,
+        config: EngineConfig | None = None,
+        *,
         mesh=None,
+        cache_dtype: str | None = None,
+        **settings: Any,
     ):
+        """An engine on `config` (default: EngineConfig()) with `settings` (EngineConfig fields) replaced; the
+        model's own settings (model, dtype, quantization) are `loaded`'s, the service's (queue, limits) unused.
+        `cache_dtype`: the KV cache's dtype (default: the model's)."""
+        cfg = dataclasses.replace(config or EngineConfig(), **settings)
+        self.settings = cfg
         self.config = loaded.config
-        self.slots = slots
-        self.max_seq_len = max_seq_len
-        self.steps_per_call = steps_per_call
+        self.slots = slots = cfg.slots
+        self.max_seq_len = max_seq_len = cfg.max_seq_len
+        self.steps_per_call = cfg.steps_per_call
         self.vocab_size = loaded.config.vocab_size
         self.top_k_width = MAX_TOP_LOGPROBS
-        self.processed_logprobs = processed_logprobs
-        # A prompt is prefilled in chunks of C = prefill_chunk tokens that start at multiples of C (the prefix
-        # cache's blocks); the last, partial chunk is padded to the smallest power of two >= min_prefill_bucket.
-        self.prefill_chunk = min(prefill_chunk, max_seq_len)
-        self.chunk_sizes = power_of_two_buckets(
-            min(min_prefill_bucket, self.prefill_chunk), self.prefill_chunk
-        )
-        self.attend_buckets = power_of_two_buckets(min(min_attend_bucket, max_seq_len), max_seq_len)
-        # None: always all slots. Buckets never go below 2 rows (a 1-row product rounds differently).
-        smallest = max(min_batch_bucket or slots, MIN_BATCH_BUCKET)
-        self.batch_buckets = power_of_two_buckets(min(smallest, slots), slots)
-        # N per batch bucket: steps_per_call on buckets of up to steps_per_call_rows rows (default: the smallest),
-        # fewer on larger ones (rows x steps no more than N x those rows, but at least min_steps_per_call), so a
-        # call lasts about as long whatever the load and a request that arrives waits for about one such call,
-        # not for N steps of 64 rows.
-        floor = min(min_steps_per_call, steps_per_call)
-        work = steps_per_call * max(steps_per_call_rows or 0, self.batch_buckets[0])
-        self.call_steps = {b: max(floor, min(steps_per_call, work // b)) for b in self.batch_buckets}
-        if scan_layers is None:  # EngineConfig.scan_layers: unrolled layers decode 2.1x faster on an H200
+        self.processed_logprobs = cfg.processed_logprobs
+        self.shapes = Buckets.of(cfg)
+        self.prefill_chunk = self.shapes.chunk
+        self.chunk_sizes = self.shapes.chunk_sizes
+        self.attend_buckets = self.shapes.attend
+        self.batch_buckets = self.shapes.batch
+        self.call_steps = self.shapes.call_steps
+        scan_layers = cfg.scan_layers
+        if scan_layers is None:  # EngineConfig.scan_layers: unrolled layers decode faster on an accelerator
             scan_layers = jax.default_backend() == "cpu"
         self.scan_layers = scan_layers
         module = loaded.module(scan_layers=scan_layers, mesh=mesh)
@@ -147,16 +119,24 @@ class JaxEngine(Engine):
         self.kv_cache_bytes = cache_bytes(loaded.config, slots, max_seq_len, dtype)
         self.mesh = mesh
         self.state = self._place(init_decode_state(loaded.config, slots, max_seq_len, dtype))
-        cfg = ProgramConfig(K=MAX_TOP_LOGPROBS, chunk=self.prefill_chunk, max_seq_len=max_seq_len,
-                            processed_logprobs=processed_logprobs,
-                            invariant_rows=INVARIANT_ROWS if jax.default_backend() == "cpu" else 0)  # fmt: skip
+        program_cfg = ProgramConfig(K=MAX_TOP_LOGPROBS, chunk=self.prefill_chunk, max_seq_len=max_seq_len,
+                                    processed_logprobs=cfg.processed_logprobs,
+                                    invariant_rows=INVARIANT_ROWS if jax.default_backend() == "cpu" else 0)  # fmt: skip
         self.prefix_dtype = module.dtype
         self.programs = build_programs(
-            self.graphdef, cfg, self.config, self.prefix_dtype, self._prefix_sharding()
+            self.graphdef, program_cfg, self.config, self.prefix_dtype, self._prefix_sharding()
         )
         self.pool, self.index = None, None
-        if prefix_cache:
-            self._init_prefix_cache(prefix_cache_bytes)
+        if cfg.prefix_cache:
+            self._init_prefix_cache(cfg.prefix_cache_bytes)
+        self.capabilities = Capabilities(
+            structured_outputs=True,
+            dtype=str(dtype),
+            mesh=tuple((str(k), int(v)) for k, v in mesh.shape.items()) if mesh is not None else (),
+            weight_bytes=int(self.weight_bytes),
+            kv_cache_bytes=int(self.kv_cache_bytes),
+            quantization=str(self.quantization or ""),
+        )
         # Host bookkeeping, never read back from the device: which slots hold a sample, and an upper bound of
         # each one's length (what the dispatched calls can have written), for the batch and attention buckets.
         self._occupied = np.zeros(slots, bool)
@@ -212,7 +192,7 @@ class JaxEngine(Engine):
     # -- Engine API ---------------------------------------------------------------------------------------------
     def prefill_steps(
         self, tokens: list[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None
-    ) -> Iterator[Prefix | None]:
+    ) -> Generator[Prefix | None, None, None]:
         """Dispatch the prompt chunk by chunk: each `next()` queues one chunk (None) until the last yields the
         Prefix. Chunks start at multiples of C; leading blocks found in the prefix cache are loaded instead of
         computed (never the last token's: its logits are needed), and each full block computed is cached."""
@@ -280,14 +260,9 @@ class JaxEngine(Engine):
         return prefix
 
     def together_shapes(self) -> list[tuple[int, int]]:
-        """(rows, padded size) of every `chunk_together` program: prompts padded to one size bucket, at most
-        C = prefill_chunk rows of tokens in all (in-process on XLA:CPU, the embedded model: a chunk of 16 rows
-        takes ~76 ms, one of 128 rows ~237 ms), 2, 4, ... prompts. None on a mesh (prompts go one by one)."""
-        if self.mesh is not None:
-            return []
-        C = self.prefill_chunk
-        return [(rows, size) for size in self.chunk_sizes if C // size >= 2
-                for rows in power_of_two_buckets(2, C // size)]  # fmt: skip
+        """(rows, padded size) of every `chunk_together` program (Buckets.together_shapes); none on a mesh
+        (prompts go one by one)."""
+        return [] if self.mesh is not None else self.shapes.together_shapes()
 
     def prefill_together(
         self, prompts: list[list[int]], cache_salts: list[str | None] | None = None
@@ -439,89 +414,16 @@ class JaxEngine(Engine):
 
     # -- start-up -----------------------------------------------------------------------------------------------
     def chunk_plan(self, n: int, first: int = 0) -> list[tuple[int, int, int, int]]:
-        """(start, real tokens, padded size, attended length) of each chunk of an n-token prompt from position
-        `first` (a multiple of C): a function of n alone for the positions it covers, so cached and computed
-        blocks meet the same programs."""
-        C, plan = self.prefill_chunk, []
-        for start in range(first, n, C):
-            real = min(C, n - start)
-            size = bucket_for(real, self.chunk_sizes)
-            plan.append(
-                (start, real, size, bucket_for(min(start + size, self.max_seq_len), self.attend_buckets))
-            )
-        return plan
-
-    def warm_up_stages(self, prompt_logprobs: bool = True) -> list[tuple[str, Callable[[], None]]]:
-        """What warm-up runs, stage by stage: the prefill programs per (chunk size, attended length) that a prompt
-        can meet, with prompt logprobs; the prefix cache's store and load (twice the same prompt) and insert;
-        decode per (attended-length, batch) bucket. Each stage compiles its programs (or loads them from the
-        compilation cache); prefill and insert also run once, decode programs are only compiled."""
-        params = SlotParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=5, seed=0)
-        p = self.programs
-        shapes = {(size, attend): start for n in range(1, self.max_seq_len + 1)
-                  for start, _, size, attend in self.chunk_plan(n)}  # fmt: skip
-
-        def chunk(size: int, attend: int, start: int) -> None:
-            _, hidden = p.chunk(
-                self.params, p.fresh(), np.ones(size, np.int32), np.int32(start), attend_len=attend
-            )
-            p.last_logits(self.params, hidden, np.int32(0))
-            if prompt_logprobs:
-                p.chunk_logprobs(self.params, hidden, np.ones(size, np.int32))
-            jax.block_until_ready(hidden)
-
-        def cache_and_insert() -> None:
-            n = min(self.max_seq_len, 2 * self.prefill_chunk + 1)
-            for want in (False, True) if prompt_logprobs else (False,):
-                for _ in range(2):  # cold, then warm (when there is a cache)
-                    prefix = self.prefill([1] * n, want_prompt_logprobs=want, cache_salt="\0warm-up")
-                    self.prompt_logprobs(prefix)
-            self.insert(prefix, 0, params)
-            self.release(0)
-            if self.index is not None:  # forget the warm-up's blocks and counts
-                self.index = PrefixIndex(self.index.capacity, self.index.block_size, self.index.block_bytes)
-
-        def decode(attend: int, batch: int) -> None:
-            # compiled (or loaded from the cache), not run: a 64-row decode over 512 positions runs for seconds,
-            # and the call later finds this executable (the same arguments' shapes and placement)
-            steps = self.call_steps[batch]
-            self.programs.decode.lower(
-                self.params,
-                self.state,
-                self._free_masks,
-                np.int32(steps),
-                attend_len=attend,
-                batch=batch,
-                steps=steps,
-            ).compile()
-
-        stages = [(f"prefill chunk of {size} attending {attend}", functools.partial(chunk, size, attend, start))
-                  for (size, attend), start in sorted(shapes.items())]  # fmt: skip
-
-        def together(rows: int, size: int) -> None:  # and an insert of such a prefix (its own cache shape)
-            prefixes = self.prefill_together([[1] * size] * rows)  # size < C
-            self.insert(prefixes[0], 0, params)
-            self.release(0)
-
-        stages += [(f"prefill {rows} prompts of {size} together", functools.partial(together, rows, size))
-                   for rows, size in self.together_shapes()]  # fmt: skip
-        # last of the prefill stages: it resets the prefix cache's counts
-        stages.append(("prefix cache and insert", cache_and_insert))
-        stages += [(f"decode {a} positions x {b} rows x {self.call_steps[b]} steps", functools.partial(decode, a, b))
-                   for a in self.attend_buckets for b in self.batch_buckets]  # fmt: skip
-        return stages
+        return self.shapes.chunk_plan(n, first)
 
     def warm_up(
         self, prompt_logprobs: bool = True, progress: Callable[[int, int, str, float], None] | None = None
     ) -> None:
-        """Compile every program the serving loop can call (`warm_up_stages`); leaves all slots free.
+        """Compile every program the serving loop can call (sampler/warmup.py); leaves all slots free.
         `progress(k, n, stage, seconds)` is called after each stage."""
-        stages = self.warm_up_stages(prompt_logprobs)
-        for k, (name, run) in enumerate(stages, start=1):
-            start = time.perf_counter()
-            run()
-            if progress is not None:
-                progress(k, len(stages), name, time.perf_counter() - start)
+        warmup.run(self, prompt_logprobs, progress)
+
+    def _forget_slots(self) -> None:
+        """Every slot free in the host's bookkeeping (after warm-up, whose programs ran on slot 0 or none)."""
         self._occupied[:] = False
         self._length_bound[:] = 0
-        host_memory.release_free_memory()  # what the compiles freed; serving buffers stay (host_memory)

@@ -36,23 +36,7 @@ def load_engine(cfg: EngineConfig) -> tuple[JaxEngine, Tokenizer, str]:
             "host memory: freed buffers stay in the process (malloc without mmap, trimmed past %d MiB)",
             host_memory.TRIM_THRESHOLD >> 20,
         )
-    engine = JaxEngine(
-        loaded,
-        slots=cfg.slots,
-        max_seq_len=cfg.max_seq_len,
-        steps_per_call=cfg.steps_per_call,
-        min_steps_per_call=cfg.min_steps_per_call,
-        min_prefill_bucket=cfg.min_prefill_bucket,
-        prefill_chunk=cfg.prefill_chunk,
-        min_attend_bucket=cfg.min_attend_bucket,
-        min_batch_bucket=cfg.min_batch_bucket,
-        steps_per_call_rows=cfg.steps_per_call_rows,
-        prefix_cache=cfg.prefix_cache,
-        prefix_cache_bytes=cfg.prefix_cache_bytes,
-        processed_logprobs=cfg.processed_logprobs,
-        scan_layers=cfg.scan_layers,
-        mesh=mesh,
-    )
+    engine = JaxEngine(loaded, cfg, mesh=mesh)
     if cfg.warm_up:
         start = time.perf_counter()
         engine.warm_up(progress=lambda k, n, stage, s: log.info("warm-up %d/%d: %s (%.1f s)", k, n, stage, s))

@@ -28,7 +28,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.chat
         else tok.encode(args.prompt)
     )
-    engine = JaxEngine(loaded, slots=1, max_seq_len=len(ids) + args.max_tokens + 8, steps_per_call=8)
+    # the served engine's settings (EngineConfig) on one slot, long enough for this prompt and its tokens
+    engine = JaxEngine(loaded, slots=1, max_seq_len=len(ids) + args.max_tokens + 8)
     params = SlotParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, stop_ids=tok.eos_ids
     )

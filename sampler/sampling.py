@@ -2,8 +2,8 @@
 
 Sampling inverts the cumulative distribution of the (filtered) scaled logits with one uniform number per row: exact
 categorical sampling in O(V) with no vocabulary sort, in two levels (blocks of 256 tokens, then within the block).
-Gumbel-max, which it replaced, needs V random numbers a row: 200 ms of threefry for 64 x 49,152 on XLA:CPU, against
-11 ms for this (in-process, the same run). Top-k / top-p thresholds come from the 256 most likely tokens; only when some slot's nucleus
+Not Gumbel-max: it needs V random numbers a row, and threefry for 64 x 49,152 of them costs XLA:CPU about 20x
+this whole sampler. Top-k / top-p thresholds come from the 256 most likely tokens; only when some slot's nucleus
 reaches past them does a bisection over the whole vocabulary run (under `lax.cond`).
 """
 
@@ -47,7 +47,7 @@ def _thresholds_from_sorted(sorted_scaled: jax.Array, lse: jax.Array, top_p: jax
 
 
 def _bisect_threshold(scaled: jax.Array, lse: jax.Array, top_p: jax.Array, top_k: jax.Array, iters: int = 32):
-    """Exact thresholds without a vocabulary sort (a [64, 49152] sort took 670 ms on XLA:CPU): bisect for the
+    """Exact thresholds without a vocabulary sort (on XLA:CPU a [64, 49152] sort costs several decode steps): bisect for the
     largest t whose kept set {scaled >= t} still holds top_p of the mass (and, separately, top_k tokens)."""
     probs = jnp.exp(scaled - lse[:, None])
     lo0 = jnp.min(jnp.where(jnp.isfinite(scaled), scaled, jnp.inf), axis=-1) - 1.0  # keeps everything

@@ -14,26 +14,21 @@ from tpuserve.sampler import host_memory, xla_flags
 xla_flags.set_defaults()
 host_memory.keep_freed_memory()
 
+import dataclasses
 import pathlib
 
 import pytest
+from tpuserve.sampler.config import EngineConfig
 
-from tests.helpers import require_extra
+from tests.helpers import engine_config, require_extra
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
-# The engine every real-model test shares (64 slots: batch invariance is checked next to 63 other requests).
-ENGINE_SETTINGS = {
-    "slots": 64,
-    "max_seq_len": 256,
-    "steps_per_call": 8,
-    "min_prefill_bucket": 32,
-    "prefill_chunk": 32,  # prefix-cache blocks of 32 tokens: tests share prompt prefixes across requests
-    "min_attend_bucket": 128,
-    "min_batch_bucket": 2,  # as served (EngineConfig): one request decodes on 2 rows, 8 steps a call
-    "steps_per_call_rows": 8,
-}
+# The engine every real-model test shares: as served (EngineConfig: 64 slots, so batch invariance is checked next
+# to 63 other requests; one request decodes on 2 rows, 8 steps a call) on shorter sequences, with prefix-cache
+# blocks of 32 tokens (tests share prompt prefixes across requests).
+ENGINE = dataclasses.replace(EngineConfig(), max_seq_len=256, min_prefill_bucket=32, prefill_chunk=32)
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +42,7 @@ def embedded():
 def engine(embedded):
     from tpuserve.sampler.engine import JaxEngine
 
-    eng = JaxEngine(embedded, **ENGINE_SETTINGS)
+    eng = JaxEngine(embedded, ENGINE)
     eng.warm_up()
     return eng
 
@@ -58,7 +53,8 @@ def together_engine(embedded):
     prefilled together (`prefill_together`); warmed up without the prompt-logprob programs."""
     from tpuserve.sampler.engine import JaxEngine
 
-    eng = JaxEngine(embedded, slots=16, max_seq_len=256, prefill_chunk=128, min_prefill_bucket=16)
+    cfg = engine_config(slots=16, max_seq_len=256, prefill_chunk=128, min_prefill_bucket=16)
+    eng = JaxEngine(embedded, cfg)
     eng.warm_up(prompt_logprobs=False)
     return eng
 

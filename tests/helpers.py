@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import socket
 import time
@@ -10,12 +11,23 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import pytest
+from tpuserve.sampler.config import EngineConfig
 
 if TYPE_CHECKING:  # the gateway tests import this module too: no JAX here
     from tpuserve.sampler.api import Engine, PromptLogprobs, SlotParams, TokenOut
 
 # One slot's outputs, one entry per token: (ids, logprobs, top_ids, top_logprobs).
 Outputs = tuple[list, list, list, list]
+
+
+# What the engine tests were written against where it differs from EngineConfig (what is served): 8 slots, a
+# prompt's last chunk padded to 32 tokens at least, decode on 8 rows at least, N steps on the smallest bucket.
+TEST_ENGINE = {"slots": 8, "min_prefill_bucket": 32, "min_batch_bucket": 8, "steps_per_call_rows": None}
+
+
+def engine_config(**settings) -> EngineConfig:
+    """EngineConfig with TEST_ENGINE, then `settings`, applied: a test engine's whole configuration."""
+    return dataclasses.replace(EngineConfig(), **{**TEST_ENGINE, **settings})
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, step: float = 0.02) -> bool:

@@ -4,12 +4,13 @@ load; weight bytes in ModelInfo and in /metrics; the CLI flag that selects the m
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 
-from tests.conftest import ENGINE_SETTINGS
+from tests.conftest import ENGINE
 from tests.grpc_service.conftest import ServerThread, generate
 from tests.grpc_service.test_backend_observability import scrape
 from tests.helpers import free_port
@@ -23,7 +24,7 @@ def dense_backend(embedded) -> Iterator[ServerThread]:
     from tpuserve.sampler.engine import JaxEngine
 
     loaded = load_model(quantization="none")
-    engine = JaxEngine(loaded, **{**ENGINE_SETTINGS, "slots": 8})  # programs compile on first use
+    engine = JaxEngine(loaded, dataclasses.replace(ENGINE, slots=8))  # programs compile on first use
     server = ServerThread(engine, loaded.tokenizer, model_id=loaded.model_id, metrics_port=free_port())
     yield server
     server.close()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from tpuserve.sampler.api import SlotParams
 
+from tests.helpers import engine_config
 from tests.helpers import run_engine as run
 from tests.sampler.test_engine import PROMPTS
 
@@ -118,7 +119,7 @@ def test_buckets_never_go_below_two_rows(embedded):
     """One row takes XLA:CPU's matrix-vector kernel, which rounds differently: buckets start at 2."""
     from tpuserve.sampler.engine import JaxEngine
 
-    eng = JaxEngine(embedded, slots=4, max_seq_len=64, min_batch_bucket=1)
+    eng = JaxEngine(embedded, engine_config(slots=4, max_seq_len=64, min_batch_bucket=1))
     assert eng.batch_buckets == [2, 4]
 
 
@@ -128,7 +129,8 @@ def test_steps_per_call_hold_up_to_steps_per_call_rows_then_scale_down(embedded)
     from tpuserve.sampler.engine import JaxEngine
 
     def steps(**kw) -> dict[int, int]:
-        engine = JaxEngine(embedded, slots=16, max_seq_len=64, min_batch_bucket=2, steps_per_call=8, **kw)
+        cfg = engine_config(slots=16, max_seq_len=64, min_batch_bucket=2, steps_per_call=8, **kw)
+        engine = JaxEngine(embedded, cfg)
         return engine.call_steps
 
     assert steps(steps_per_call_rows=4) == {2: 8, 4: 8, 8: 4, 16: 2}

@@ -1,4 +1,4 @@
-"""JAX's persistent compilation cache (issue: start-up): a second start loads every program from the cache, a
+"""JAX's persistent compilation cache (a fast start): a second start loads every program from the cache, a
 changed config compiles its own programs and serves the same tokens, and a corrupt or unwritable cache
 directory is a warning and a cold start. Each run is a fresh process (the cache setting is process-wide)."""
 

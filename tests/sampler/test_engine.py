@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from tpuserve.sampler.api import SlotParams
 
-from tests.helpers import require_extra, run_engine
+from tests.helpers import engine_config, require_extra, run_engine
 
 PROMPTS = [
     "The capital of France is",
@@ -60,14 +60,17 @@ def test_long_prompt_is_prefilled_in_chunks(embedded):
     from tpuserve.sampler.engine import JaxEngine
 
     small = JaxEngine(
-        embedded, slots=2, max_seq_len=128, steps_per_call=4, min_prefill_bucket=32, prefill_chunk=32
+        embedded,
+        engine_config(slots=2, max_seq_len=128, steps_per_call=4, min_prefill_bucket=32, prefill_chunk=32),
     )
     ids = embedded.tokenizer.encode("word " * 100)[:100]
     assert len(ids) == 100
     whole, _ = run_engine(
         small, [(0, ids, SlotParams(max_tokens=4, temperature=0.0))], want_prompt_logprobs=True
     )
-    unchunked = JaxEngine(embedded, slots=2, max_seq_len=128, steps_per_call=4, prefill_chunk=128)
+    unchunked = JaxEngine(
+        embedded, engine_config(slots=2, max_seq_len=128, steps_per_call=4, prefill_chunk=128)
+    )
     ref, _ = run_engine(unchunked, [(0, ids, SlotParams(max_tokens=4, temperature=0.0))])
     assert whole[0][0] == ref[0][0]
     assert np.abs(np.array(whole[0][1]) - np.array(ref[0][1])).max() < 1e-4
@@ -155,9 +158,9 @@ def test_layer_loop_is_scanned_on_cpu_and_unrolled_on_accelerators(embedded, mon
     def scanned(engine) -> bool:  # what the module the programs run was built as
         return nnx.merge(engine.graphdef, engine.params).scan_layers
 
-    on_cpu = JaxEngine(embedded, slots=2, max_seq_len=64)
+    on_cpu = JaxEngine(embedded, engine_config(slots=2, max_seq_len=64))
     assert on_cpu.scan_layers is True and scanned(on_cpu) is True
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    on_gpu = JaxEngine(embedded, slots=2, max_seq_len=64)
+    on_gpu = JaxEngine(embedded, engine_config(slots=2, max_seq_len=64))
     assert on_gpu.scan_layers is False and scanned(on_gpu) is False
-    assert scanned(JaxEngine(embedded, slots=2, max_seq_len=64, scan_layers=True)) is True
+    assert scanned(JaxEngine(embedded, engine_config(slots=2, max_seq_len=64, scan_layers=True))) is True

@@ -14,6 +14,7 @@ from tpuserve.sampler.api import SlotParams
 from tpuserve.sampler.engine import JaxEngine
 from tpuserve.sampler.prefix_cache import PrefixIndex
 
+from tests.helpers import engine_config
 from tests.sampler.test_engine import PROMPTS
 
 # 4 tokens: the first (sampled from the prefill's logits) and three decode steps that attend over the prefix's KV
@@ -153,8 +154,8 @@ def small(embedded):
     from tpuserve.sampler.programs import pool_block_bytes
 
     block = pool_block_bytes(embedded.config, 32, 20, np.float32)
-    return JaxEngine(embedded, slots=2, max_seq_len=256, prefill_chunk=32, min_prefill_bucket=32,
-                     min_attend_bucket=128, min_batch_bucket=2, prefix_cache_bytes=3 * block + 100)  # fmt: skip
+    return JaxEngine(embedded, engine_config(slots=2, max_seq_len=256, prefill_chunk=32, min_prefill_bucket=32,
+                     min_attend_bucket=128, min_batch_bucket=2, prefix_cache_bytes=3 * block + 100))  # fmt: skip
 
 
 def test_least_recently_used_blocks_are_evicted_and_pinned_ones_never(small, embedded):

@@ -1,0 +1,76 @@
+"""The static shapes the engine compiles and serves on: prefill chunk sizes, attended lengths, decode batch rows
+and the steps each decode call makes on each batch. Shapes are static so serving never compiles; the buckets let
+a call's cost follow the live load (a prompt's length, the occupied slots, the longest sequence)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpuserve.sampler.config import EngineConfig
+
+MIN_BATCH_BUCKET = 2  # one row takes another kernel (a matrix-vector product) that rounds differently
+
+
+def power_of_two_buckets(smallest: int, largest: int) -> list[int]:
+    out, b = [], smallest
+    while b < largest:
+        out.append(b)
+        b *= 2
+    return out + [largest]
+
+
+def bucket_for(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Every shape of an engine's programs, from its EngineConfig."""
+
+    chunk: int  # C: prompts are prefilled in chunks of C tokens that start at multiples of C
+    max_seq_len: int
+    chunk_sizes: list[int]  # a prompt's last, partial chunk is padded to one of these
+    attend: list[int]  # attended lengths (a call attends over the smallest that covers its longest sequence)
+    batch: list[int]  # decode rows (the smallest that covers the occupied slots)
+    call_steps: dict[int, int]  # batch rows -> the steps a decode call makes on them
+
+    @classmethod
+    def of(cls, cfg: EngineConfig) -> Buckets:
+        chunk = min(cfg.prefill_chunk, cfg.max_seq_len)
+        # the last, partial chunk: padded to the smallest power of two >= min_prefill_bucket
+        chunk_sizes = power_of_two_buckets(min(cfg.min_prefill_bucket, chunk), chunk)
+        attend = power_of_two_buckets(min(cfg.min_attend_bucket, cfg.max_seq_len), cfg.max_seq_len)
+        # None: always all slots. Never below 2 rows (a 1-row product rounds differently).
+        smallest = max(cfg.min_batch_bucket or cfg.slots, MIN_BATCH_BUCKET)
+        batch = power_of_two_buckets(min(smallest, cfg.slots), cfg.slots)
+        # N = steps_per_call on buckets of up to steps_per_call_rows rows (default: the smallest), fewer on larger
+        # ones (rows x steps no more than N x those rows, but at least min_steps_per_call), so a call lasts about
+        # as long whatever the load and a request that arrives waits for about one such call, not for N steps of
+        # 64 rows.
+        n = cfg.steps_per_call
+        floor = min(cfg.min_steps_per_call, n)
+        work = n * max(cfg.steps_per_call_rows or 0, batch[0])
+        call_steps = {b: max(floor, min(n, work // b)) for b in batch}
+        return cls(chunk, cfg.max_seq_len, chunk_sizes, attend, batch, call_steps)
+
+    def chunk_plan(self, n: int, first: int = 0) -> list[tuple[int, int, int, int]]:
+        """(start, real tokens, padded size, attended length) of each chunk of an n-token prompt from position
+        `first` (a multiple of C): a function of n alone for the positions it covers, so cached and computed
+        blocks meet the same programs."""
+        C, plan = self.chunk, []
+        for start in range(first, n, C):
+            real = min(C, n - start)
+            size = bucket_for(real, self.chunk_sizes)
+            plan.append((start, real, size, bucket_for(min(start + size, self.max_seq_len), self.attend)))
+        return plan
+
+    def together_shapes(self) -> list[tuple[int, int]]:
+        """(rows, padded size) of every program that prefills several short prompts at once: prompts padded to
+        one size bucket, at most C rows of tokens in all, 2, 4, ... prompts (a short prompt fills few rows of a
+        product, so one program over several costs less than one each)."""
+        C = self.chunk
+        return [(rows, size) for size in self.chunk_sizes if C // size >= 2
+                for rows in power_of_two_buckets(2, C // size)]  # fmt: skip
