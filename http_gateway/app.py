@@ -18,6 +18,7 @@ from tpuserve.http_gateway.backends import BackendPool, BackendTLS
 from tpuserve.http_gateway.completion_objects import ModelCard, ModelList, OpenAIObject
 from tpuserve.http_gateway.errors import APIError, install_handlers
 from tpuserve.http_gateway.observability import GatewayMetrics, Limits, Observe, note_request
+from tpuserve.http_gateway.playground import add_playground_routes
 from tpuserve.http_gateway.request_models import ChatCompletionRequest, CompletionRequest
 from tpuserve.http_gateway.request_parsing import parse_request
 from tpuserve.http_gateway.responses_request import CreateResponseRequest
@@ -143,6 +144,7 @@ def create_app(
         )
     _add_api_routes(app, pool, limits)
     _add_service_routes(app, pool, metrics, openapi.build(api_key=bool(api_key)))
+    add_playground_routes(app)  # the logprob playground page at / and /playground (open: it asks for the key)
     return app
 
 
