@@ -80,17 +80,20 @@
   const fmtLp = (lp) => (lp === null || lp === undefined ? "null" : lp.toFixed(4));
   const bucket = (p) => (p === null ? "pnone" : p >= 0.9 ? "p6" : p >= 0.7 ? "p5" : p >= 0.5 ? "p4" : p >= 0.3 ? "p3" : p >= 0.1 ? "p2" : "p1");
 
-  /** A token's text as DOM: escapes highlighted, line breaks shown as ↵ (and kept as breaks). */
-  function renderText(parent, tok) {
-    if (tok.bytes === null) { parent.append(tok.token); return; }
+  /** A token's text as DOM: escapes highlighted, line breaks shown as ↵; `spaces`: spaces shown as ␣ (in the
+   * popover, where a leading space is otherwise invisible). Returns the number of line breaks. */
+  function renderText(parent, tok, spaces = false) {
+    if (tok.bytes === null) { parent.append(tok.token); return 0; }
+    let breaks = 0;
     for (const seg of bytesToSegments(tok.bytes)) {
       if (seg.esc) { parent.append(el("span", "esc", seg.text)); continue; }
-      const parts = seg.text.split("\n");
-      parts.forEach((part, i) => {
-        if (i > 0) { parent.append(el("span", "nl", "↵")); parent.append("\n"); }
-        if (part) parent.append(part);
-      });
+      for (const part of seg.text.split(/(\n| )/)) {
+        if (part === "\n") { parent.append(el("span", "nl", "↵")); breaks += 1; }
+        else if (part === " " && spaces) parent.append(el("span", "sp", "␣"));
+        else if (part) parent.append(part);
+      }
     }
+    return breaks;
   }
   const quoted = (tok) => (tok.bytes === null ? tok.token : JSON.stringify(bytesToSegments(tok.bytes).map((s) => s.text).join("")));
 
@@ -135,8 +138,9 @@
     b.setAttribute("aria-haspopup", "dialog");
     b.setAttribute("aria-expanded", "false");
     b.setAttribute("aria-label", `${quoted(tok)}, probability ${fmtP(prob(tok.logprob))}${tok.special ? ", special token" : ""}`);
-    renderText(b, tok);
+    const breaks = renderText(b, tok);
     $("output").append(b);
+    if (breaks) $("output").append("\n".repeat(breaks));  // the text's line breaks, after the token's ↵
   }
 
   function showStats(extra) {
@@ -164,7 +168,7 @@
     const pop = $("pop");
     pop.replaceChildren();
     const h = el("h3");
-    renderText(h, tok);
+    renderText(h, tok, true);
     if (tok.special) h.append(el("span", "tag sp", "special"));
     pop.append(h);
     const p = prob(tok.logprob);
@@ -184,7 +188,7 @@
       const tr = el("tr", i === tok.sampled ? "sampled" : "");
       tr.append(el("td", "num", String(i + 1)));
       const t = el("td", "t");
-      renderText(t, alt);
+      renderText(t, alt, true);
       if (alt.bytes === null) t.append(el("span", "tag sp", "special"));
       if (i === tok.sampled) t.append(el("span", "tag", tok.prompt ? "actual" : "sampled"));
       tr.append(t, el("td", "b", bytesEscaped(alt.bytes)), el("td", "num", fmtLp(alt.logprob)), el("td", "num", fmtP(prob(alt.logprob))));
@@ -418,7 +422,8 @@
       }
       showStats();
       const usage = state.usage ? ` · ${state.usage.prompt_tokens} prompt + ${state.usage.completion_tokens} completion tokens` : "";
-      setStatus(`Done (finish_reason: ${finish})${usage}.`, "done");
+      const scored = `Scored ${state.tokens.length} prompt tokens (the first has no prefix, so no logprob).`;
+      setStatus(req.stream ? `Done (finish_reason: ${finish})${usage}.` : scored, "done");
     } catch (err) {
       if (err.name === "AbortError") { setStatus("Stopped: the request was cancelled.", "stopped"); if (state.tokens.length) showStats(); }
       else { showError(`Request failed: ${err.message}`); setStatus("Failed.", "error"); }

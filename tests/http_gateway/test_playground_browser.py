@@ -17,6 +17,8 @@ import json
 import math
 import os
 import shlex
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,10 +104,18 @@ def _page(browser, url: str, width: int = 1100, height: int = 900) -> Iterator[o
     """A fresh tab (own session storage) on the playground; fails the test on a script error or on any request
     that leaves the gateway's origin."""
     context = browser.new_context(viewport={"width": width, "height": height})
+    context.grant_permissions(["clipboard-read", "clipboard-write"], origin=url)
     page = context.new_page()
     errors: list[str] = []
     foreign: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
+    # console errors (a CSP violation reports there); a refused request (the 401 tests) is logged there too
+    page.on(
+        "console",
+        lambda m: (
+            errors.append(m.text) if m.type == "error" and "Failed to load resource" not in m.text else None
+        ),
+    )
     page.on("request", lambda req: None if req.url.startswith(url) else foreign.append(req.url))
     page.goto(url + "/playground")
     page.wait_for_function(
@@ -225,6 +235,9 @@ def test_completion_stream_renders_what_the_api_returns(page, shots: Path) -> No
     assert url.endswith("/v1/completions")
     assert body["logprobs"] == 3 and body["seed"] == 7 and body["prompt"] == "The capital of France is"
     assert python_kwargs(page) == body
+    page.click("#copy")  # the Python code, as shown, onto the clipboard
+    page.wait_for_selector("#status:text('Copied.')")
+    assert page.evaluate("navigator.clipboard.readText()") == page.inner_text("#code")
     expected = api(url, body)["choices"][0]["logprobs"]
     shown = dom_tokens(page)
     assert [t["token"] for t in shown] == expected["tokens"]
@@ -256,6 +269,19 @@ def test_score_mode_totals_match_the_echo_logprobs(page, shots: Path) -> None:
     assert f"total logprob {total:.4f}" in shown_text
     assert f"mean {mean:.4f}" in shown_text
     assert f"perplexity {math.exp(-mean):.3f}" in shown_text
+    # the page's Python code runs as it is (official SDK) and prints the same total
+    page.click("#code-python")
+    env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
+    ran = subprocess.run(
+        [sys.executable, "-c", page.inner_text("#code")],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert f"total logprob {total:.4f}, mean {mean:.4f}" in ran.stdout
     shown = dom_tokens(page)
     assert [t["token"] for t in shown] == expected["tokens"]
     assert shown[0]["logprob"] == "null"
@@ -274,7 +300,7 @@ def test_score_mode_totals_match_the_echo_logprobs(page, shots: Path) -> None:
 
 
 def test_utf8_split_tokens_show_escaped_bytes_never_replacement_characters(page, shots: Path) -> None:
-    run(page, "score", EMOJI_CJK, top_logprobs=5)
+    run(page, "score", EMOJI_CJK + "<|im_end|>", top_logprobs=5)
     url, body = curl_request(page)
     expected = api(url, body)["choices"][0]["logprobs"]
     split = [i for i, t in enumerate(expected["tokens"]) if "\\x" in t]
@@ -287,6 +313,10 @@ def test_utf8_split_tokens_show_escaped_bytes_never_replacement_characters(page,
     assert "\ufffd" not in page.inner_text("#output")
     text = show_alternatives(page, split[0])
     assert "\\x" in text and "\ufffd" not in text
+    # the special token typed at the end is marked as one (no bytes)
+    assert expected["tokens"][-1] == "<|im_end|>"
+    assert shown[-1]["special"] and shown[-1]["bytes"] is None
+    assert "special" in show_alternatives(page, len(shown) - 1)
     screenshot(page, shots, "utf8-split")
 
 
