@@ -71,12 +71,12 @@ class _StateCollector:
         yield GaugeMetricFamily(
             "tpuserve_backend_kv_cache_bytes",
             "Device bytes of the KV cache (allocated once for all slots).",
-            value=float(getattr(engine, "kv_cache_bytes", 0) or 0),
+            value=float(engine.capabilities.kv_cache_bytes),
         )
         yield GaugeMetricFamily(
             "tpuserve_backend_weight_bytes",
             "Device bytes of the model's weights as the programs hold them (quantized matrices as stored).",
-            value=float(getattr(engine, "weight_bytes", 0) or 0),
+            value=float(engine.capabilities.weight_bytes),
         )
         yield GaugeMetricFamily(
             "tpuserve_backend_kv_cache_positions",

@@ -88,7 +88,7 @@ class GrpcServer:
         for name in ("", SERVICE_NAME):
             asyncio.ensure_future(self.health.set(name, NOT_SERVING))
 
-    async def shutdown(self, drain_timeout_s: float = 30.0) -> bool:
+    async def shutdown(self, drain_timeout_s: float = ServerSettings.drain_timeout) -> bool:
         """Stop admission, let in-flight streams finish (cancel them after the timeout), stop. True if drained."""
         await self.health.enter_graceful_shutdown()
         self.servicer.set_readiness("shutting down")
@@ -103,7 +103,7 @@ class GrpcServer:
 
 def grammars_for(engine: Engine, tokenizer: Tokenizer) -> Grammars | None:
     """Structured outputs for engines that take token masks (all but test doubles without them)."""
-    if type(engine).constrain is Engine.constrain:
+    if not engine.capabilities.structured_outputs:
         return None
     return Grammars.for_tokenizer(tokenizer, engine.vocab_size)
 
@@ -115,14 +115,14 @@ async def start_server(
     host: str = "127.0.0.1",
     port: int = 0,
     *,
-    max_queue: int = 256,
-    max_n: int | None = None,
-    max_prompt_tokens: int | None = None,
-    max_queue_wait_s: float | None = None,
-    prefill_budget: int | None = None,
+    max_queue: int = EngineConfig.max_queue,
+    max_n: int = EngineConfig.max_n,
+    max_prompt_tokens: int | None = EngineConfig.max_prompt_tokens,
+    max_queue_wait_s: float | None = EngineConfig.max_queue_wait,
+    prefill_budget: int | None = EngineConfig.prefill_budget,
     warmup: Callable[[Progress], None] | None = None,
     metrics_port: int = 0,
-    log_prompts: bool = False,
+    log_prompts: bool = ServerSettings.log_prompts,
     tls: ServerTLS | None = None,
 ) -> GrpcServer:
     """Bind (port 0 = any free port), start, and start the engine thread (it runs `warmup(progress)` first;
@@ -218,10 +218,10 @@ async def serve(
     engine: Engine,
     tokenizer: Tokenizer,
     model_id: str,
-    host: str = "0.0.0.0",
-    port: int = 50051,
+    host: str = ServerSettings.host,
+    port: int = ServerSettings.port,
     *,
-    drain_timeout_s: float = 30.0,
+    drain_timeout_s: float = ServerSettings.drain_timeout,
     **options: Any,
 ) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code (0 after a graceful stop, 1 if warm-up failed).
@@ -229,15 +229,13 @@ async def serve(
     `options` are start_server's (limits, `warmup`, metrics port, TLS, ...). `warmup` (e.g. the engine's
     compile-everything step) runs on the engine thread while health is NOT_SERVING."""
     running = await start_server(engine, tokenizer, model_id, host, port, **options)
-    channel = getattr(engine, "channel", None)  # a multi-process group's (sampler/multihost.py)
-    if channel is not None:
-        loop = asyncio.get_running_loop()
-        channel.on_fault = lambda message: loop.call_soon_threadsafe(running.fail, message)
+    loop = asyncio.get_running_loop()
+    # a multi-process group's fault (sampler/multihost.py): every open request ends UNAVAILABLE
+    engine.set_fault_handler(lambda message: loop.call_soon_threadsafe(running.fail, message))
     tls = options.get("tls")
     if running.metrics_port is not None:
         log.info("metrics on http://%s:%d/metrics", host, running.metrics_port)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info("gRPC%s listening on %s:%d (warming up)", " (TLS)" if tls else "", host, running.port)
@@ -251,8 +249,7 @@ async def serve(
     log.info("stopping: draining in-flight requests (up to %.0f s)", drain_timeout_s)
     drained = await running.shutdown(drain_timeout_s)
     log.info("stopped (%s)", "drained" if drained else "drain timed out; remaining streams cancelled")
-    if channel is not None:  # then the followers stop too
-        await asyncio.to_thread(engine.stop_group)
+    await asyncio.to_thread(engine.stop_group)  # then a group's other processes stop too
     return 0
 
 
@@ -269,11 +266,11 @@ def main(
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server, cfg = settings
     # Imported here, not above: the service itself runs over any `Engine` (tests use a fake one without JAX).
-    from tpuserve.sampler import multihost
+    from tpuserve.sampler import multihost, process_group
     from tpuserve.sampler.factory import load_engine
 
     try:  # before anything else touches JAX
-        process_id, num_processes = multihost.initialize(
+        process_id, num_processes = process_group.initialize(
             server.coordinator, server.num_processes, server.process_id,
             init_timeout=server.init_timeout, peer_timeout=server.peer_timeout,
         )  # fmt: skip
@@ -283,7 +280,7 @@ def main(
         return 2
     engine, tokenizer, model_id = load_engine(dataclasses.replace(cfg, warm_up=False))
     if num_processes > 1:
-        channel = multihost.Channel(server.peer_timeout)
+        channel = process_group.Channel(server.peer_timeout)
         if process_id != 0:
             return follow(engine, channel, server, cfg)
         engine = multihost.LeaderEngine(engine, channel)
@@ -306,7 +303,7 @@ def check_mesh(cfg: EngineConfig, num_processes: int) -> None:
 
 def follow(engine: Any, channel: Any, server: ServerSettings, cfg: EngineConfig) -> int:
     """A follower process (--process-id > 0): warm up as the leader does, then run its commands until it stops
-    (exit 0) or the group fails (exit 1, multihost.Channel). gRPC health on server.port says SERVING while it
+    (exit 0) or the group fails (exit 1, process_group.Channel). gRPC health on server.port says SERVING while it
     follows (probes of the pod); SIGTERM/SIGINT wait for the leader, which drains and then stops the group."""
     from concurrent import futures
 

@@ -14,10 +14,12 @@ from tpuserve.grpc_service.convert import TokenConverter
 from tpuserve.grpc_service.jobs import ErrorEvent, Finish, PromptEvent, SampleEvent
 from tpuserve.grpc_service.metrics import BackendMetrics
 from tpuserve.grpc_service.orchestrator import Orchestrator
+from tpuserve.grpc_service.settings import ServerSettings
 from tpuserve.grpc_service.validation import InvalidRequest, Limits, build_job, check_token_ids, render_chat
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2_grpc as pb_grpc
 from tpuserve.sampler.api import Engine
+from tpuserve.sampler.config import EngineConfig
 
 if TYPE_CHECKING:
     from tpuserve.model.tokenizer import Tokenizer
@@ -125,10 +127,10 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         orchestrator: Orchestrator,
         tokenizer: Tokenizer,
         model_id: str,
-        max_n: int | None = None,
-        max_prompt_tokens: int | None = None,
+        max_n: int = EngineConfig.max_n,
+        max_prompt_tokens: int | None = EngineConfig.max_prompt_tokens,
         metrics: BackendMetrics | None = None,
-        log_prompts: bool = False,
+        log_prompts: bool = ServerSettings.log_prompts,
     ) -> None:
         engine: Engine = orchestrator.engine
         self.metrics = metrics
@@ -139,7 +141,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         self.limits = Limits(
             vocab_size=min(tokenizer.vocab_size, engine.vocab_size),
             context_length=engine.max_seq_len,
-            max_n=min(max_n or 16, engine.slots),  # n > slots could never be admitted
+            max_n=min(max_n, engine.slots),  # n > slots could never be admitted
             max_top_logprobs=engine.top_k_width,
             max_prompt_tokens=max_prompt_tokens,
         )
@@ -316,22 +318,21 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
         engine = self.orchestrator.engine
-        mesh = getattr(engine, "mesh", None)  # a jax.sharding.Mesh: .shape maps axis name -> size
-        shape = dict(mesh.shape) if mesh is not None else {}
+        caps = engine.capabilities
         return pb.ModelInfo(
             model_id=self.model_id,
             vocab_size=self.limits.vocab_size,
             context_length=self.limits.context_length,
             max_top_logprobs=self.limits.max_top_logprobs,
             eos_token_ids=list(self.tokenizer.eos_ids),
-            dtype=str(getattr(engine, "dtype", None) or getattr(engine, "cache_dtype", None) or ""),
-            mesh_shape=[int(v) for v in shape.values()],
-            mesh_axes=[str(k) for k in shape],
+            dtype=caps.dtype,
+            mesh_shape=[size for _, size in caps.mesh],
+            mesh_axes=[axis for axis, _ in caps.mesh],
             slots=engine.slots,
             max_n=self.limits.max_n,
             created=self.created,
             readiness=self.readiness,
-            weight_bytes=int(getattr(engine, "weight_bytes", 0) or 0),
-            quantization=str(getattr(engine, "quantization", "") or ""),
-            num_processes=int(getattr(engine, "num_processes", 1) or 1),
+            weight_bytes=caps.weight_bytes,
+            quantization=caps.quantization,
+            num_processes=engine.num_processes,
         )

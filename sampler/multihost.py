@@ -8,32 +8,16 @@ token mask) is first sent to every process as a command, then run locally; a fol
 receives, in order, on its own `JaxEngine`. The outputs are read on the leader (they are replicated over the
 mesh, so each process holds a whole copy).
 
-What carries the commands: `jax.experimental.multihost_utils.broadcast_one_to_all`, a jitted broadcast over the
-global devices, on fixed 4 KiB frames (one compiled program; a longer command spans several frames). It goes
-through the same device queues as the engine's programs, so each command is ordered with the device work
-around it on every process, with no transport of ours beside JAX's. Its cost: a command waits for the
-device call already queued, then takes a collective of its own (about 4 ms between two idle CPU processes):
-decode call k+1 is queued when call k ends rather than while it runs.
-
-Faults: a process that dies fails the collectives it belonged to at once (gloo: connection reset); one that
-stops answering leaves them waiting, so the leader sends a no-op command after a second of silence and every
-process watches for `peer_timeout` seconds without a completed exchange. Either way `on_fault` runs (the
-server turns health NOT_SERVING and ends every open request with UNAVAILABLE) and the process exits 1 shortly
-after: a collective cannot be interrupted, and the scheduler restarts the group. JAX's own heartbeats
-(`jax.distributed`) stop the processes too, a little later, if this does not.
+The group itself (joining it, the channel that carries the commands, faults): process_group.py.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import os
 import pickle
-import socket
-import threading
-import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import numpy as np
@@ -47,191 +31,60 @@ from tpuserve.sampler.api import (
     StepArrays,
     TokenOut,
 )
+from tpuserve.sampler.process_group import Channel
 
 log = logging.getLogger(__name__)
 
-FRAME = 4096  # bytes per broadcast; the first 4 of a command's first frame hold its length
-HEARTBEAT_S = 1.0  # the leader's no-op after this much silence
-EXIT_GRACE_S = 2.0  # after a fault: time for the error events to reach the clients, then exit 1
 
-
-def initialize(
-    coordinator: str | None,
-    num_processes: int | None,
-    process_id: int | None,
-    *,
-    init_timeout: float = 300.0,
-    peer_timeout: float = 30.0,
-) -> tuple[int, int]:
-    """Join the process group before anything else touches JAX; -> (process id, number of processes).
-
-    With no coordinator: one process, unless this is one host of a multi-host Cloud TPU VM slice
-    (TPU_WORKER_HOSTNAMES lists several hosts), where jax.distributed.initialize() detects the rest itself.
-    On CPU the collectives between processes run over gloo. A coordinator that does not answer within
-    `init_timeout` raises RuntimeError naming --coordinator."""
-    import jax
-
-    if coordinator is None and "," not in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
-        return 0, 1
-    jax.config.update(
-        "jax_cpu_collectives_implementation", "gloo"
-    )  # CPU devices only; TPU/GPU have their own
-    # JAX's heartbeats end the group (SIGABRT) well after our watchdog would (peer_timeout): seen here, JAX 0.10
-    # noticed a stopped process 28 s into a 45 s heartbeat timeout
-    options = {"initialization_timeout": max(1, int(init_timeout)),
-               "heartbeat_timeout_seconds": 2 * int(peer_timeout) + 30}  # fmt: skip
-    log.info("joining the process group: --coordinator %s, --num-processes %s, --process-id %s (waiting up to "
-             "--init-timeout %g s; past it JAX ends the process)", coordinator or "(detected)", num_processes,
-             process_id, init_timeout)  # fmt: skip
-    if coordinator is not None and process_id != 0:
-        _wait_for(coordinator, init_timeout)  # else JAX aborts the process with a message that names no flag
-    try:
-        if coordinator is None:
-            jax.distributed.initialize(**options)
-        else:
-            jax.distributed.initialize(coordinator, num_processes, process_id, **options)
-    except Exception as e:
-        raise RuntimeError(
-            f"--coordinator {coordinator or '(detected)'}: the process group did not form within "
-            f"--init-timeout {init_timeout:g} s ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
-        ) from e
-    return jax.process_index(), jax.process_count()
-
-
-def _wait_for(address: str, timeout: float) -> None:
-    """Until the coordinator accepts a TCP connection; RuntimeError naming the flags after `timeout` seconds."""
-    host, _, port = address.rpartition(":")
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
-            return
-        except OSError as e:
-            if time.monotonic() >= deadline:
-                raise RuntimeError(f"--coordinator {address}: nothing answered within --init-timeout {timeout:g} s "
-                                   f"({e})") from e  # fmt: skip
-            time.sleep(0.5)
-
-
-class Channel:
-    """The leader's commands to every process, in order, over `broadcast_one_to_all`, and the watchdog that
-    turns silence or a failed exchange into a fault."""
-
-    def __init__(self, peer_timeout: float = 30.0, exit_on_fault: bool = True) -> None:
-        import jax
-
-        self.leader = jax.process_index() == 0
-        self.num_processes = jax.process_count()
-        self.peer_timeout = peer_timeout
-        self.exit_on_fault = exit_on_fault
-        self.lock = threading.RLock()  # a command and the local device work it stands for go out together
-        self.on_fault: Callable[[str], None] | None = None
-        self.fault: str | None = None
-        self.last_ok = time.monotonic()  # the end of the last completed exchange
-        self._watching = threading.Event()
-        self._stop = threading.Event()
-
-    def _exchange(self, frame: np.ndarray) -> np.ndarray:
-        from jax.experimental import multihost_utils
-
-        try:
-            out = np.asarray(multihost_utils.broadcast_one_to_all(frame))
-        except Exception as e:
-            self.failed(f"a process of the group failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-            raise EngineUnavailable(self.fault) from e
-        self.last_ok = time.monotonic()
-        return out
-
-    def send(self, payload: bytes) -> None:
-        """Leader: one command to every process (call with `lock` held, with the local work it stands for)."""
-        if self.fault is not None:
-            raise EngineUnavailable(self.fault)
-        data = len(payload).to_bytes(4, "little") + payload
-        for start in range(0, len(data), FRAME):
-            frame = np.zeros(FRAME, np.uint8)
-            part = np.frombuffer(data[start : start + FRAME], np.uint8)
-            frame[: part.size] = part
-            self._exchange(frame)
-
-    def receive(self) -> bytes:
-        """Follower: the next command."""
-        empty = np.zeros(FRAME, np.uint8)
-        first = self._exchange(empty)
-        size = int.from_bytes(first[:4].tobytes(), "little")
-        frames = [first]
-        while len(frames) * FRAME < size + 4:
-            frames.append(self._exchange(empty))
-        return np.concatenate(frames).tobytes()[4 : 4 + size]
-
-    def start_watching(self) -> None:
-        """After warm-up (every process ran the same warm-up programs): the leader's heartbeats and the watchdog."""
-        self.last_ok = time.monotonic()
-        self._watching.set()
-        threading.Thread(target=self._watch, name="group-watchdog", daemon=True).start()
-        if self.leader:
-            threading.Thread(target=self._beat, name="group-heartbeat", daemon=True).start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S / 4):
-            if time.monotonic() - self.last_ok >= HEARTBEAT_S and self.fault is None:
-                with self.lock:
-                    if self._stop.is_set() or time.monotonic() - self.last_ok < HEARTBEAT_S:
-                        continue
-                    try:
-                        self.send(pickle.dumps(((), "noop", ())))
-                    except Exception:  # noqa: BLE001 — failed() has run
-                        return
-
-    def _watch(self) -> None:
-        while not self._stop.wait(0.5):
-            silent = time.monotonic() - self.last_ok
-            if silent > self.peer_timeout:
-                self.failed(f"no answer from the other processes of the group for {silent:.0f} s "
-                            f"(--peer-timeout {self.peer_timeout:g})")  # fmt: skip
-                return
-
-    def failed(self, message: str) -> None:
-        """A fault (once): tell `on_fault`, then exit 1 after EXIT_GRACE_S (the leader) or at once."""
-        if self.fault is not None:
-            return
-        self.fault = message
-        log.error("process group fault: %s", message)
-        if self.on_fault is not None:
-            try:
-                self.on_fault(message)
-            except Exception:
-                log.exception("the fault handler failed")
-        if self.exit_on_fault:
-            delay = EXIT_GRACE_S if self.leader else 0.0
-            threading.Thread(target=_exit_after, args=(delay,), name="group-exit", daemon=True).start()
-
-
-def _exit_after(delay: float) -> None:
-    time.sleep(delay)
-    logging.shutdown()
-    os._exit(1)  # a thread may be blocked in a collective that nothing can interrupt
+# The engine commands, one place for the leader and the followers. Every public method of an engine either
+# changes its state (the device's, or the host's bookkeeping that shapes later calls) and is replicated, or only
+# reads it and runs on the leader alone; tests/sampler/test_multihost_commands.py checks that each is listed.
+#
+# REPLICATED: engine method -> the command the leader sends before it runs the method itself; every follower runs
+# that command on its own engine (`_Follower`). COMPOSED: methods made of replicated ones only (each inner call
+# sends its command). LEADER_ONLY: reads, and the leader's own hooks.
+REPLICATED: dict[str, str] = {
+    "prefill_steps": "prefill",  # then "next" per step, and "close" when closed before the prefix
+    "start_insert": "insert",
+    "constrain": "constrain",
+    "start_decode": "decode",
+    "release": "release",
+    "warm_up": "ready",  # each process runs its own warm-up, then this one exchange
+    "stop_group": "stop",
+}
+COMPOSED: dict[str, tuple[str, ...]] = {
+    "prefill": ("prefill_steps",),
+    "prefill_together": ("prefill",),  # one by one on a group (Engine's default)
+    "insert": ("start_insert",),
+    "decode": ("start_decode",),
+}
+LEADER_ONLY = frozenset({
+    "prompt_logprobs", "cached_tokens", "prefix_cache_stats", "next_call_steps", "prefill_cost", "mask_words",
+    "set_fault_handler",
+    # JaxEngine's own, which the service never calls (tests, bench, warm-up): shapes and host bookkeeping
+    "buckets", "chunk_plan", "together_shapes", "occupied_slots",
+})  # fmt: skip
+# commands that stand for no engine method: a prefill's steps, and the heartbeat
+STEP_COMMANDS = ("next", "close", "noop")
+COMMANDS = frozenset(REPLICATED.values()) | frozenset(STEP_COMMANDS)
 
 
 class LeaderEngine(Engine):
-    """The leader's engine: each call that dispatches device work is sent to every process, then run here on
-    `inner` (a JaxEngine over the global mesh). Reads (buckets, prompt logprobs, stats) stay local."""
+    """The leader's engine: each call that changes the engine's state is sent to every process as its command
+    (REPLICATED), then run here on `inner` (a JaxEngine over the global mesh); the rest stays local."""
 
     def __init__(self, inner: Any, channel: Channel) -> None:
         self.inner, self.channel = inner, channel
         for name in ("slots", "max_seq_len", "steps_per_call", "vocab_size", "top_k_width", "prefill_chunk"):
             setattr(self, name, getattr(inner, name))
+        self.capabilities = inner.capabilities
         self.num_processes = channel.num_processes
         self._next_handle = 0
         # prefixes the leader let go (appended by their finalizers, on any thread): the followers drop theirs
         self._dropped: collections.deque[int] = collections.deque()
 
-    def __getattr__(self, name: str) -> Any:  # weight_bytes, quantization, mesh, ...: the inner engine's
-        return getattr(self.__dict__["inner"], name)
-
     def _send(self, op: str, *args: Any) -> None:
+        assert op in COMMANDS, f"{op!r} is no engine command (multihost.COMMANDS)"
         drops = [self._dropped.popleft() for _ in range(len(self._dropped))]
         self.channel.send(pickle.dumps((drops, op, args)))
 
@@ -266,15 +119,18 @@ class LeaderEngine(Engine):
         if compile:
             self.inner.warm_up(**kwargs)
         with self.channel.lock:
-            self._send("ready")
+            self._send(REPLICATED["warm_up"])
         self.channel.start_watching()
+
+    def set_fault_handler(self, on_fault: Callable[[str], None]) -> None:
+        self.channel.on_fault = on_fault
 
     def stop_group(self) -> None:
         """After the drain: the followers leave their loop and exit 0."""
         with self.channel.lock:
             self.channel.stop()
             if self.channel.fault is None:
-                self._send("stop")
+                self._send(REPLICATED["stop_group"])
 
     # ---- Engine API ----
     def prefill(
@@ -285,9 +141,9 @@ class LeaderEngine(Engine):
 
     def prefill_steps(
         self, tokens: list[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None
-    ) -> Iterator[Any]:
+    ) -> Generator[Any, None, None]:
         handle, self._next_handle = self._next_handle, self._next_handle + 1
-        steps = self._call("prefill", (handle, list(tokens), want_prompt_logprobs, cache_salt),
+        steps = self._call(REPLICATED["prefill_steps"], (handle, list(tokens), want_prompt_logprobs, cache_salt),
                            lambda: self.inner.prefill_steps(tokens, want_prompt_logprobs, cache_salt))  # fmt: skip
         done = False
         try:
@@ -329,7 +185,7 @@ class LeaderEngine(Engine):
     def start_insert(
         self, prefix: Any, slot: int, params: SlotParams, allowed: np.ndarray | None = None
     ) -> Pending[TokenOut]:
-        pending = self._call("insert", (self._handle(prefix), slot, params, allowed),
+        pending = self._call(REPLICATED["start_insert"], (self._handle(prefix), slot, params, allowed),
                              lambda: self.inner.start_insert(prefix, slot, params, allowed))  # fmt: skip
         return self._watched(pending)
 
@@ -339,66 +195,92 @@ class LeaderEngine(Engine):
         return self.start_insert(prefix, slot, params, allowed).result()
 
     def constrain(self, slot: int, allowed: np.ndarray | None) -> None:
-        self._call("constrain", (slot, allowed), lambda: self.inner.constrain(slot, allowed))
+        self._call(REPLICATED["constrain"], (slot, allowed), lambda: self.inner.constrain(slot, allowed))
 
     def start_decode(self) -> Pending[StepArrays]:
-        return self._watched(self._call("decode", (), self.inner.start_decode))
+        return self._watched(self._call(REPLICATED["start_decode"], (), self.inner.start_decode))
 
     def decode(self) -> StepArrays:
         return self.start_decode().result()
 
     def release(self, slot: int) -> None:
-        self._call("release", (slot,), lambda: self.inner.release(slot))
+        self._call(REPLICATED["release"], (slot,), lambda: self.inner.release(slot))
+
+
+class _Stop(Exception):
+    """The leader stopped the group."""
+
+
+class _Follower:
+    """A follower's side of every command (COMMANDS), run on its own engine in the leader's order."""
+
+    def __init__(self, engine: Any, channel: Channel) -> None:
+        self.engine, self.channel = engine, channel
+        self.prefixes: dict[int, Any] = {}
+        self.steps: dict[int, Iterator[Any]] = {}
+        self.last: Pending | None = None  # the previous decode call, read before the next is queued
+        self.handlers: dict[str, Callable[..., None]] = {
+            "prefill": self.prefill,
+            "next": self.next,
+            "close": self.close,
+            "insert": self.insert,
+            "constrain": engine.constrain,
+            "decode": self.decode,
+            "release": engine.release,
+            "ready": lambda: channel.start_watching(),
+            "stop": self.stop,
+            "noop": lambda: None,
+        }
+        assert set(self.handlers) == COMMANDS
+
+    def prefill(self, handle: int, tokens: list[int], want: bool, salt: str | None) -> None:
+        self.steps[handle] = self.engine.prefill_steps(tokens, want, salt)
+
+    def next(self, handle: int) -> None:
+        try:
+            out = next(self.steps[handle])
+        except StopIteration:
+            self.steps.pop(handle, None)
+            return
+        if out is not None:
+            self.steps.pop(handle).close()
+            self.prefixes[handle] = out
+
+    def close(self, handle: int) -> None:
+        it = self.steps.pop(handle, None)
+        if it is not None:
+            it.close()
+
+    def insert(self, handle: int, slot: int, params: SlotParams, allowed: np.ndarray | None) -> None:
+        self.engine.start_insert(self.prefixes[handle], slot, params, allowed)
+
+    def decode(self) -> None:
+        if self.last is not None:
+            self.last.result()
+        self.last = self.engine.start_decode()
+
+    def stop(self) -> None:
+        raise _Stop
 
 
 def follow(engine: Any, channel: Channel) -> int:
     """A follower's loop: run the leader's commands on `engine` (warmed up like the leader's) until "stop";
     -> 0. A fault exits the process (Channel.failed)."""
-    prefixes: dict[int, Any] = {}
-    steps: dict[int, Iterator[Any]] = {}
-    last: Pending | None = None  # the previous decode call, read before the next is queued
+    follower = _Follower(engine, channel)
     while True:
         drops, op, args = pickle.loads(channel.receive())
         for handle in drops:
-            prefixes.pop(handle, None)
+            follower.prefixes.pop(handle, None)
         try:
-            if op == "stop":
-                return 0
-            if op == "ready":
-                channel.start_watching()
-            elif op == "prefill":
-                handle, tokens, want, salt = args
-                steps[handle] = engine.prefill_steps(tokens, want, salt)
-            elif op == "next":
-                (handle,) = args
-                try:
-                    out = next(steps[handle])
-                except StopIteration:
-                    steps.pop(handle, None)
-                    continue
-                if out is not None:
-                    steps.pop(handle).close()
-                    prefixes[handle] = out
-            elif op == "close":
-                it = steps.pop(args[0], None)
-                if it is not None:
-                    it.close()
-            elif op == "insert":
-                handle, slot, params, allowed = args
-                engine.start_insert(prefixes[handle], slot, params, allowed)
-            elif op == "constrain":
-                engine.constrain(*args)
-            elif op == "decode":
-                if last is not None:
-                    last.result()
-                last = engine.start_decode()
-            elif op == "release":
-                engine.release(*args)
-            elif op != "noop":
+            handler = follower.handlers.get(op)
+            if handler is None:
                 raise ValueError(f"unknown command {op!r}")
+            handler(*args)
+        except _Stop:
+            return 0
         except Exception as e:  # the leader met the same error (the same code on the same inputs) and went on
             if channel.fault is not None:
                 raise
             if op in ("prefill", "next"):
-                steps.pop(args[0], None)
+                follower.steps.pop(args[0], None)
             log.info("command %s raised %s: %s (as on the leader)", op, type(e).__name__, e)

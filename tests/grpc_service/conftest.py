@@ -35,6 +35,7 @@ class ServerThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-test-loop", daemon=True)
         self.thread.start()
+        kw.setdefault("prefill_budget", None)  # one chunk a turn while streams decode
         self.server: GrpcServer = self.call(start_server(engine, tokenizer, model_id, **kw))
         self.address = f"127.0.0.1:{self.server.port}"
         self.channel = grpc.insecure_channel(self.address)

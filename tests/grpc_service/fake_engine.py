@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 from tpuserve.sampler.api import (
     MAX_TOP_LOGPROBS,
+    Capabilities,
     Engine,
     Pending,
     PrefixCacheStats,
@@ -61,6 +62,8 @@ class _Slot:
 
 
 class FakeEngine(Engine):
+    capabilities = Capabilities()  # no token masks (its server has no structured outputs), no device memory
+
     def __init__(
         self,
         vocab_size: int,
