@@ -31,6 +31,8 @@ from tpuserve.http_gateway.settings import GatewaySettings
 
 log = logging.getLogger("tpuserve.serve")
 
+LOCAL_HOST = "127.0.0.1"  # the backend's default bind under this command: local clients only (the gateway)
+
 
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
@@ -44,21 +46,26 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Other flags are passed to the gateway; see `tpuserve gateway --help`.",
     )
     p.add_argument(
-        "--host", default=os.environ.get("HOST"), help="gateway host ($HOST; else config, 0.0.0.0)"
+        "--host",
+        default=os.environ.get("HOST"),
+        help=f"gateway host ($HOST; else config, {GatewaySettings.host})",
     )
     p.add_argument(
-        "--port", type=int, default=_env_int("PORT"), help="gateway port ($PORT; else config, 8000)"
+        "--port",
+        type=int,
+        default=_env_int("PORT"),
+        help=f"gateway port ($PORT; else config, {GatewaySettings.port})",
     )
     p.add_argument(
         "--grpc-host",
         default=None,
-        help="backend gRPC host (else the config's server.host, else 127.0.0.1: local clients only)",
+        help=f"backend gRPC host (else the config's server.host, else {LOCAL_HOST}: local clients only)",
     )
     p.add_argument(
         "--grpc-port",
         type=int,
         default=_env_int("GRPC_PORT"),
-        help="backend gRPC port ($GRPC_PORT; else the config's server.port, else 50051)",
+        help=f"backend gRPC port ($GRPC_PORT; else the config's server.port, else {ServerSettings.port})",
     )
     p.add_argument(
         "--model", default=None, help="GGUF file, HF directory or Orbax checkpoint (default: embedded)"
@@ -87,9 +94,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _backend_server(args: argparse.Namespace) -> ServerSettings:
     """The backend's host and ports: a flag (or its environment variable), else the config's `server:` section,
-    else this command's defaults: 127.0.0.1 (local clients only), metrics on GRPC_PORT + 1."""
+    else this command's defaults: LOCAL_HOST (local clients only), metrics on GRPC_PORT + 1."""
     flags = {"host": args.grpc_host or None, "port": args.grpc_port, "metrics_port": args.metrics_port}
-    server = settings.load(ServerSettings(host="127.0.0.1"), args.config, "server", flags)
+    server = settings.load(ServerSettings(host=LOCAL_HOST), args.config, "server", flags)
     if server.metrics_port is None:
         server = dataclasses.replace(server, metrics_port=server.port + 1)
     return server

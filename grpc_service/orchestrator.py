@@ -11,16 +11,8 @@ Threads and what each owns:
   other readers      (the metrics collector, tests) read `stats` (free slots, used KV positions) and `queued`
                      (WaitingQueue's two counters, each written by one thread).
 
-One turn: take every waiting command; admit waiting requests into free slots (they are then prefilled chunk by
-chunk: while others decode, at most about `prefill_budget` prompt tokens a turn, so a running stream never waits
-for more than about one chunk; consecutive prompts shorter than a chunk go through one `prefill_together`);
-insert them (the first token is sampled there); dispatch the next decode call unless nobody can use it; read
-back the previous call and the new first tokens; hand each request its events (a sample's tokens in one event).
-
-One call stays in flight (call k+1 is dispatched before call k is read, so detokenizing and streaming overlap
-the device) while no slot is free, or while calls are short (`overlap_max_call_s`, e.g. on an accelerator).
-With a slot free and long calls (XLA:CPU: 0.4-0.8 s), the call is read in the turn that dispatched it: a request
-arriving meanwhile is then prefilled right after that call, instead of after the one queued behind it too.
+One turn: take every waiting command, then admit, prefill, insert, decode and read back as the scheduling
+policy says (scheduling.py, which also says why one decode call stays in flight or not).
 """
 
 from __future__ import annotations
@@ -32,16 +24,18 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from tpuserve.grpc_service import jobs
 from tpuserve.grpc_service.admission import RequestStream, ShuttingDownError, WaitingQueue
 from tpuserve.grpc_service.guided import Constraint, Grammars, GuidedError
-from tpuserve.grpc_service.jobs import ErrorEvent, Event, Finish, GenerationJob, PromptEvent
+from tpuserve.grpc_service.jobs import ErrorEvent, Finish, GenerationJob, PromptEvent
+from tpuserve.grpc_service.running import InFlight, Running
 from tpuserve.grpc_service.sample_tracker import SampleTracker
-from tpuserve.sampler.api import Engine, EngineUnavailable, Pending, StepArrays, TokenOut
+from tpuserve.grpc_service.scheduling import OVERLAP_MAX_CALL_S, Policy, wants_tokens
+from tpuserve.sampler.api import Engine, EngineUnavailable, Pending, TokenOut
+from tpuserve.sampler.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -51,44 +45,7 @@ class Stats(NamedTuple):
     used_positions: int = 0  # KV-cache positions of the samples holding slots (prompt + generated)
 
 
-@dataclass(eq=False)
-class _Running:
-    stream: RequestStream
-    trackers: list[SampleTracker]
-    admitted: float
-    slots: dict[int, int] = field(default_factory=dict)  # sample index -> slot, while it holds one
-    outbox: list[Event] = field(default_factory=list)
-    timed: set[int] = field(default_factory=set)  # samples whose first token has been timed
-    prefill: Iterator[object] | None = None  # the engine's prefill steps, until the prefix is inserted
-    stepped: bool = False  # a prefill step has run (no longer to be prefilled together with others)
-    constraints: dict[int, Constraint] = field(default_factory=dict)  # structured outputs: sample -> grammar
-
-    def close_prefill(self) -> None:
-        """Close the engine's prefill steps (what the engine holds for them, e.g. prefix-cache blocks, is let
-        go); idempotent, harmless on a finished iterator. Every run that leaves prefilling passes here."""
-        steps, self.prefill = self.prefill, None
-        if steps is not None and hasattr(steps, "close"):
-            try:
-                steps.close()
-            except Exception:
-                log.exception("closing the prefill of request %s failed", self.stream.job.request_id)
-
-
-@dataclass
-class _InFlight:
-    result: Pending[StepArrays]
-    owners: dict[int, tuple[_Running, int]]  # slot -> (request, sample) when the call was dispatched
-    dispatched: float  # time.perf_counter()
-    steps: int  # tokens the call makes per sample at most
-
-
 _SUBMIT, _CANCEL, _STOP = "submit", "cancel", "stop"
-
-# With a slot free, a decode call stays in flight only when calls last at most this long (seconds): the overlap
-# saves the host's work per call (milliseconds), and costs a request that arrives meanwhile one more call's wait
-# before its prefill. On XLA:CPU a call lasts 0.4-0.8 s (1.8 s vs llama-server's 1.3 s time to first token
-# under 63 streams, with the call always in flight); on an accelerator it is milliseconds.
-OVERLAP_MAX_CALL_S = 0.1
 
 
 class Orchestrator:
@@ -99,17 +56,16 @@ class Orchestrator:
         engine: Engine,
         token_bytes: Sequence[bytes],
         special_ids: frozenset[int],
-        max_queue: int = 256,
-        max_queue_wait_s: float | None = None,
-        prefill_budget: int | None = None,
+        max_queue: int = EngineConfig.max_queue,
+        max_queue_wait_s: float | None = EngineConfig.max_queue_wait,
+        prefill_budget: int | None = EngineConfig.prefill_budget,
         grammars: Grammars | None = None,
         overlap_max_call_s: float = OVERLAP_MAX_CALL_S,
     ) -> None:
         self.engine = engine
-        self.overlap_max_call_s = overlap_max_call_s
         self.grammars = grammars  # structured outputs (None: the engine takes no token masks)
-        # prompt tokens prefilled per turn while streams decode; default: one chunk
-        self.prefill_budget = prefill_budget or engine.prefill_chunk
+        # prompt tokens prefilled per turn while streams decode; None: one chunk
+        self.policy = Policy(prefill_budget or engine.prefill_chunk, overlap_max_call_s)
         self._token_bytes = token_bytes
         self._special = frozenset(special_ids)
         self._commands: queue.SimpleQueue[tuple[str, RequestStream | None]] = queue.SimpleQueue()
@@ -125,14 +81,14 @@ class Orchestrator:
         )
         # engine thread only. A heap, lowest free slot first: occupied slots stay packed (small batch buckets)
         self._free = list(range(engine.slots))
-        self._owner: dict[int, tuple[_Running, int]] = {}
-        self._running: dict[int, _Running] = {}  # id(stream) -> state
-        self._prefilling: collections.deque[_Running] = collections.deque()  # slots taken, prefilling
-        self._firsts: list[tuple[_Running, int, Pending[TokenOut]]] = []  # inserted, first token not yet read
-        self._inflight: _InFlight | None = None
+        self._owner: dict[int, tuple[Running, int]] = {}
+        self._running: dict[int, Running] = {}  # id(stream) -> state
+        self._prefilling: collections.deque[Running] = collections.deque()  # slots taken, prefilling
+        self._firsts: list[tuple[Running, int, Pending[TokenOut]]] = []  # inserted, first token not yet read
+        self._inflight: InFlight | None = None
         self._last_read = 0.0  # when the previous decode call's outputs were read (perf_counter)
         self._call_s: float | None = None  # how long the last decode call took (None: none yet)
-        self._closed: list[_Running] = []  # finished since the last flush, events still to deliver
+        self._closed: list[Running] = []  # finished since the last flush, events still to deliver
 
     # ---- called from the event loop -------------------------------------------------------------------
 
@@ -247,15 +203,10 @@ class Orchestrator:
             self._read_decode(previous)
         self._read_first_tokens()
         self._flush_outboxes()  # first tokens go out before a call dispatched behind their insert is read
-        if self._inflight is not None and not self._keep_in_flight():
+        if self._inflight is not None and not self.policy.keep_in_flight(len(self._free), self._call_s):
             call, self._inflight = self._inflight, None
             self._read_decode(call)
             self._flush_outboxes()
-
-    def _keep_in_flight(self) -> bool:
-        """Whether the call just dispatched may stay in flight past this turn (see the module docstring): yes
-        when no request could take a slot before the next call anyway, or when calls are short."""
-        return not self._free or self._call_s is None or self._call_s <= self.overlap_max_call_s
 
     def _constrained_slots(self) -> list[tuple[int, Constraint]]:
         """(slot, grammar) of every sample in a slot that decodes under a grammar."""
@@ -286,10 +237,10 @@ class Orchestrator:
         self._close_if_done(run)
 
     def _admit(self) -> None:
-        """Waiting requests take their slots, first come first served, and start their prefill."""
-        while (stream := self._waiting.head()) is not None:
-            if stream.job.max_tokens > 0 and len(self._free) < stream.job.n:
-                return  # first come, first served: wait for slots
+        """Waiting requests take their slots (Policy.admits) and start their prefill."""
+        while (stream := self._waiting.head()) is not None and self.policy.admits(
+            stream.job, len(self._free)
+        ):
             self._start(self._waiting.pop())
 
     # ---- the engine thread: engine calls --------------------------------------------------------------
@@ -297,7 +248,7 @@ class Orchestrator:
     def _start(self, stream: RequestStream) -> None:
         job = stream.job
         trackers = [SampleTracker(job, i, self._token_bytes, self._special) for i in range(job.n)]
-        run = _Running(stream, trackers, admitted=time.monotonic())
+        run = Running(stream, trackers, admitted=time.monotonic())
         self._running[id(stream)] = run
         for index in range(job.n if job.max_tokens > 0 else 0):
             run.slots[index] = heapq.heappop(self._free)
@@ -315,16 +266,15 @@ class Orchestrator:
         self._prefilling.append(run)
 
     def _advance_prefills(self) -> None:
-        """Queue prefill steps: all of them when nothing decodes; else about `prefill_budget` prompt tokens (at
-        least one step), so running streams wait at most about one chunk between two decode calls."""
-        budget = self.prefill_budget if self._owner else None
+        """Queue prefill steps, as many as the turn's budget (Policy.turn_budget) takes."""
+        budget = self.policy.turn_budget(decoding=bool(self._owner))
         while self._prefilling and (budget is None or budget > 0):
             run = self._prefilling[0]
-            if self._running.get(id(run.stream)) is not run:  # cancelled or failed meanwhile
+            if not self._live(run):
                 self._prefilling.popleft()
                 run.close_prefill()
                 continue
-            group, cost = self._short_prompts(budget)
+            group, cost = self.policy.short_prompts(self._prefilling, budget, self.engine, self._live)
             if len(group) > 1:
                 if budget is not None:
                     budget -= cost
@@ -345,25 +295,11 @@ class Orchestrator:
                 self._insert(run, prefix)
                 run.close_prefill()  # after the inserts: the prefix's blocks are in the slots now
 
-    def _short_prompts(self, budget: int | None) -> tuple[list[_Running], int]:
-        """The live runs at the head of the prefill queue whose prompts can be prefilled together (not started,
-        shorter than one chunk, no prompt logprobs), as many as the turn's budget takes (at least one), and
-        their prefill cost."""
-        group: list[_Running] = []
-        cost = 0
-        for run in self._prefilling:
-            n = len(run.stream.job.prompt_ids)
-            if run.stepped or run.stream.job.prompt_logprobs or n >= self.engine.prefill_chunk:
-                break
-            if self._running.get(id(run.stream)) is not run:
-                break
-            if budget is not None and group and cost >= budget:
-                break
-            group.append(run)
-            cost += self.engine.prefill_cost(n)
-        return group, cost
+    def _live(self, run: Running) -> bool:
+        """Not cancelled or failed since it was admitted."""
+        return self._running.get(id(run.stream)) is run
 
-    def _prefill_together(self, group: list[_Running]) -> None:
+    def _prefill_together(self, group: list[Running]) -> None:
         for _ in group:
             self._prefilling.popleft()
         try:
@@ -379,7 +315,7 @@ class Orchestrator:
             self._insert(run, prefix)
             run.close_prefill()  # never started: nothing to let go, but the iterator is done with
 
-    def _insert(self, run: _Running, prefix: object) -> None:
+    def _insert(self, run: Running, prefix: object) -> None:
         job = run.stream.job
         try:
             cached = int(self.engine.cached_tokens(prefix))
@@ -401,20 +337,12 @@ class Orchestrator:
             return
         self._close_if_done(run)
 
-    def _wants_tokens(self, inflight: _InFlight | None) -> bool:
-        """Whether another decode call can make a token someone wants: not when every sample in a slot reaches
-        its max_tokens with the tokens already on their way (the call in flight, a first token not yet read).
-        A call nobody needs would keep the device busy, and a request arriving next would wait for it."""
+    def _wants_tokens(self, inflight: InFlight | None) -> bool:
+        """Whether another decode call can make a token someone wants (scheduling.wants_tokens)."""
         firsts = {(id(run), index) for run, index, _ in self._firsts}
-        for slot, (run, index) in self._owner.items():
-            tracker = run.trackers[index]
-            coming = int((id(run), index) in firsts)
-            owner = inflight.owners.get(slot) if inflight is not None else None
-            if owner is not None and owner[0] is run and owner[1] == index:
-                coming += inflight.steps
-            if tracker.generated + coming < tracker.max_tokens:
-                return True
-        return False
+        if inflight is None:
+            return wants_tokens(self._owner, firsts, {}, 0)
+        return wants_tokens(self._owner, firsts, inflight.owners, inflight.steps)
 
     def _dispatch_decode(self) -> None:
         dispatched = time.perf_counter()
@@ -425,9 +353,9 @@ class Orchestrator:
             log.exception("engine.start_decode failed")
             self._fail_all(f"engine error: {exc}", code=_code(exc))
             return
-        self._inflight = _InFlight(result, dict(self._owner), dispatched, steps)
+        self._inflight = InFlight(result, dict(self._owner), dispatched, steps)
 
-    def _read_decode(self, call: _InFlight) -> None:
+    def _read_decode(self, call: InFlight) -> None:
         try:
             steps = call.result.result()
         except Exception as exc:
@@ -459,7 +387,7 @@ class Orchestrator:
                 continue
             self._on_token(run, index, token)
 
-    def _on_token(self, run: _Running, index: int, token: TokenOut) -> None:
+    def _on_token(self, run: Running, index: int, token: TokenOut) -> None:
         constraint = run.constraints.get(index)
         if constraint is not None and not run.trackers[index].finished:
             try:
@@ -480,7 +408,7 @@ class Orchestrator:
             self._release(run, index)
             self._close_if_done(run)
 
-    def _release(self, run: _Running, index: int) -> None:
+    def _release(self, run: Running, index: int) -> None:
         slot = run.slots.pop(index, None)
         if slot is None:
             return
@@ -491,7 +419,7 @@ class Orchestrator:
             log.exception("engine.release(%d) failed", slot)
         heapq.heappush(self._free, slot)
 
-    def _close_if_done(self, run: _Running) -> None:
+    def _close_if_done(self, run: Running) -> None:
         if all(t.finished for t in run.trackers) and self._running.pop(id(run.stream), None) is not None:
             self._closed.append(run)
 
@@ -503,7 +431,7 @@ class Orchestrator:
                 run.outbox = []
         self._closed.clear()
 
-    def _fail(self, run: _Running, message: str, code: str = "INTERNAL") -> None:
+    def _fail(self, run: Running, message: str, code: str = "INTERNAL") -> None:
         run.close_prefill()
         for index in list(run.slots):
             self._release(run, index)

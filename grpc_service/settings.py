@@ -98,6 +98,10 @@ class ServerSettings:
         return ServerTLS(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
 
 
+DEFAULTS = ServerSettings()  # what the flags' help says when a flag is not given
+ENGINE_DEFAULTS = EngineConfig()
+
+
 def _is_host_port(address: str) -> bool:
     host, sep, port = address.rpartition(":")
     return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
@@ -117,14 +121,22 @@ def add_quantization_flag(p: argparse.ArgumentParser) -> None:
 def parser(prog: str = "python -m tpuserve.grpc_service") -> argparse.ArgumentParser:
     """The backend's flags (`dest` = the field's name, None when not given): the server's and ENGINE_FLAGS."""
     p = argparse.ArgumentParser(prog=prog, description="Serve a model over gRPC (tpuserve.v1).")
-    p.add_argument("--host", default=None, help="default 0.0.0.0")
-    p.add_argument("--port", type=int, default=None, help="default 50051")
+    p.add_argument("--host", default=None, help=f"default {DEFAULTS.host}")
+    p.add_argument("--port", type=int, default=None, help=f"default {DEFAULTS.port}")
     p.add_argument("--model", default=None, help="GGUF file, HF model directory or Orbax checkpoint")
     add_quantization_flag(p)
     p.add_argument(
-        "--max-queue", type=int, default=None, help="requests waiting for a slot (then RESOURCE_EXHAUSTED)"
+        "--max-queue",
+        type=int,
+        default=None,
+        help=f"requests waiting for a slot (then RESOURCE_EXHAUSTED); default {ENGINE_DEFAULTS.max_queue}",
     )
-    p.add_argument("--max-n", type=int, default=None, help="most samples per request (capped at the slots)")
+    p.add_argument(
+        "--max-n",
+        type=int,
+        default=None,
+        help=f"most samples per request (capped at the slots); default {ENGINE_DEFAULTS.max_n}",
+    )
     p.add_argument(
         "--max-prompt-tokens",
         type=int,
@@ -155,10 +167,13 @@ def parser(prog: str = "python -m tpuserve.grpc_service") -> argparse.ArgumentPa
         "--log-format",
         choices=("json", "text"),
         default=None,
-        help="default json (the tpuserve command; a run of this module alone logs text)",
+        help=f"default {DEFAULTS.log_format} (the tpuserve command; a run of this module alone logs text)",
     )
     p.add_argument(
-        "--drain-timeout", type=float, default=None, help="seconds in-flight requests get on SIGTERM (30)"
+        "--drain-timeout",
+        type=float,
+        default=None,
+        help=f"seconds in-flight requests get on SIGTERM (default {DEFAULTS.drain_timeout:g})",
     )
     p.add_argument(
         "--tls-cert-file", default=None, help="serve gRPC over TLS with this PEM certificate (chain)"
@@ -178,9 +193,11 @@ def parser(prog: str = "python -m tpuserve.grpc_service") -> argparse.ArgumentPa
         "--process-id", type=int, default=None, help="this process's index; 0 serves, the others follow"
     )
     g.add_argument("--peer-timeout", type=float, default=None,
-                   help="seconds a silent process is waited for, then every process exits 1 (30)")  # fmt: skip
+                   help="seconds a silent process is waited for, then every process exits 1 "
+                        f"(default {DEFAULTS.peer_timeout:g})")  # fmt: skip
     g.add_argument("--init-timeout", type=float, default=None,
-                   help="seconds to wait for the coordinator and the other processes at start (300)")  # fmt: skip
+                   help="seconds to wait for the coordinator and the other processes at start "
+                        f"(default {DEFAULTS.init_timeout:g})")  # fmt: skip
     return p
 
 

@@ -1,4 +1,4 @@
-"""One model across two JAX processes (issue 14), as `make serve-multihost` runs it: process 0 under `tpuserve serve`
+"""One model across two JAX processes, as `make serve-multihost` runs it: process 0 under `tpuserve serve`
 (gateway + gRPC), process 1 `tpuserve grpc --process-id 1`, 2 CPU devices each, model_parallel 4 across both,
 collectives over gloo. Against a one-process server on 4 CPU devices with the same settings: the same greedy
 tokens, logprobs within the tensor-parallel tolerance. SIGTERM on the leader drains and stops both processes;

@@ -20,6 +20,7 @@ VOCAB = len(TABLE)
 
 
 def make(engine: FakeEngine, **kw) -> Orchestrator:
+    kw.setdefault("prefill_budget", None)  # one chunk a turn while streams decode
     orch = Orchestrator(engine, TABLE, frozenset({EOS}), **kw)
     orch.start()
     return orch

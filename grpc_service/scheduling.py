@@ -1,0 +1,105 @@
+"""The engine thread's scheduling policy: who takes the free slots, how much prompt is prefilled per turn while
+others decode, which short prompts go through one `prefill_together`, whether another decode call is worth
+dispatching, and whether it may stay in flight. orchestrator.py holds the mechanics that carry these out (the
+slot table, the engine calls, the events).
+
+One turn: admit waiting requests into free slots, first come first served (they are then prefilled chunk by
+chunk: while others decode, at most about `prefill_budget` prompt tokens a turn, so a running stream never waits
+for more than about one chunk; consecutive prompts shorter than a chunk go through one `prefill_together`);
+insert them (the first token is sampled there); dispatch the next decode call unless nobody can use it; read back
+the previous call and the new first tokens; hand each request its events.
+
+One call stays in flight (call k+1 is dispatched before call k is read, so detokenizing and streaming overlap the
+device) while no slot is free, or while calls are short (`overlap_max_call_s`, e.g. on an accelerator). With a
+slot free and long calls (XLA:CPU), the call is read in the turn that dispatched it: a request arriving meanwhile
+is then prefilled right after that call, instead of after the one queued behind it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from tpuserve.grpc_service.jobs import GenerationJob
+    from tpuserve.grpc_service.sample_tracker import SampleTracker
+    from tpuserve.sampler.api import Engine
+
+# With a slot free, a decode call stays in flight only when calls last at most this long (seconds): the overlap
+# saves the host's work per call (milliseconds), and costs a request that arrives meanwhile one more call's wait
+# before its prefill. An XLA:CPU call lasts tenths of a second (there the overlap made time to first token under
+# load worse); an accelerator's, milliseconds.
+OVERLAP_MAX_CALL_S = 0.1
+
+
+class Run(Protocol):
+    """What the policy reads of an admitted request (orchestrator's _Running)."""
+
+    trackers: list[SampleTracker]
+    stepped: bool  # a prefill step has run
+
+    @property
+    def job(self) -> GenerationJob: ...
+
+
+@dataclass(frozen=True)
+class Policy:
+    prefill_budget: int  # prompt tokens prefilled per turn while streams decode
+    overlap_max_call_s: float = OVERLAP_MAX_CALL_S
+
+    def admits(self, job: GenerationJob, free_slots: int) -> bool:
+        """Whether the request at the head of the queue starts now: first come, first served, so it waits for
+        its n slots (a max_tokens = 0 request needs none) and those behind it wait too."""
+        return job.max_tokens <= 0 or free_slots >= job.n
+
+    def turn_budget(self, decoding: bool) -> int | None:
+        """Prompt tokens to prefill this turn: every step when nothing decodes (None), else about the budget (at
+        least one step), so running streams wait at most about one chunk between two decode calls."""
+        return self.prefill_budget if decoding else None
+
+    def short_prompts(
+        self, prefilling: Iterable[Run], budget: int | None, engine: Engine, is_live: Callable[[Run], bool]
+    ) -> tuple[list[Run], int]:
+        """The live runs at the head of the prefill queue whose prompts can be prefilled together (not started,
+        shorter than one chunk, no prompt logprobs), as many as the turn's budget takes (at least one), and
+        their prefill cost."""
+        group: list[Run] = []
+        cost = 0
+        for run in prefilling:
+            n = len(run.job.prompt_ids)
+            if run.stepped or run.job.prompt_logprobs or n >= engine.prefill_chunk:
+                break
+            if not is_live(run):
+                break
+            if budget is not None and group and cost >= budget:
+                break
+            group.append(run)
+            cost += engine.prefill_cost(n)
+        return group, cost
+
+    def keep_in_flight(self, free_slots: int, last_call_s: float | None) -> bool:
+        """Whether the call just dispatched may stay in flight past this turn: yes when no request could take a
+        slot before the next call anyway, or when calls are short."""
+        return not free_slots or last_call_s is None or last_call_s <= self.overlap_max_call_s
+
+
+def wants_tokens(
+    owners: Mapping[int, tuple[Run, int]],
+    coming_first: set[tuple[int, int]],
+    in_flight: Mapping[int, tuple[Run, int]],
+    in_flight_steps: int,
+) -> bool:
+    """Whether another decode call can make a token someone wants: not when every sample in a slot (`owners`:
+    slot -> (run, sample)) reaches its max_tokens with the tokens already on their way (its first token not yet
+    read: (id(run), sample) in `coming_first`; the call in flight: `in_flight` owners, `in_flight_steps` each).
+    A call nobody needs would keep the device busy, and a request arriving next would wait for it."""
+    for slot, (run, index) in owners.items():
+        tracker = run.trackers[index]
+        coming = int((id(run), index) in coming_first)
+        owner = in_flight.get(slot)
+        if owner is not None and owner[0] is run and owner[1] == index:
+            coming += in_flight_steps
+        if tracker.generated + coming < tracker.max_tokens:
+            return True
+    return False
