@@ -197,7 +197,7 @@ class Orchestrator:
             self._read_first_tokens()
             for slot, constraint in self._constrained_slots():
                 self.engine.constrain(slot, constraint.mask())
-        if self._wants_tokens(previous):
+        if wants_tokens(self._owner, self._firsts, previous):
             self._dispatch_decode()
         if previous is not None:
             self._read_decode(previous)
@@ -238,9 +238,9 @@ class Orchestrator:
 
     def _admit(self) -> None:
         """Waiting requests take their slots (Policy.admits) and start their prefill."""
-        while (stream := self._waiting.head()) is not None and self.policy.admits(
-            stream.job, len(self._free)
-        ):
+        while (stream := self._waiting.head()) is not None:
+            if not self.policy.admits(stream.job, len(self._free)):
+                return
             self._start(self._waiting.pop())
 
     # ---- the engine thread: engine calls --------------------------------------------------------------
@@ -336,13 +336,6 @@ class Orchestrator:
             self._fail(run, f"engine error: {exc}", _code(exc))
             return
         self._close_if_done(run)
-
-    def _wants_tokens(self, inflight: InFlight | None) -> bool:
-        """Whether another decode call can make a token someone wants (scheduling.wants_tokens)."""
-        firsts = {(id(run), index) for run, index, _ in self._firsts}
-        if inflight is None:
-            return wants_tokens(self._owner, firsts, {}, 0)
-        return wants_tokens(self._owner, firsts, inflight.owners, inflight.steps)
 
     def _dispatch_decode(self) -> None:
         dispatched = time.perf_counter()

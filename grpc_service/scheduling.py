@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from tpuserve.grpc_service.jobs import GenerationJob
+    from tpuserve.grpc_service.running import InFlight
     from tpuserve.grpc_service.sample_tracker import SampleTracker
     from tpuserve.sampler.api import Engine
 
@@ -86,20 +87,20 @@ class Policy:
 
 def wants_tokens(
     owners: Mapping[int, tuple[Run, int]],
-    coming_first: set[tuple[int, int]],
-    in_flight: Mapping[int, tuple[Run, int]],
-    in_flight_steps: int,
+    firsts: Iterable[tuple[Run, int, object]],
+    in_flight: InFlight | None,
 ) -> bool:
     """Whether another decode call can make a token someone wants: not when every sample in a slot (`owners`:
-    slot -> (run, sample)) reaches its max_tokens with the tokens already on their way (its first token not yet
-    read: (id(run), sample) in `coming_first`; the call in flight: `in_flight` owners, `in_flight_steps` each).
-    A call nobody needs would keep the device busy, and a request arriving next would wait for it."""
+    slot -> (run, sample)) reaches its max_tokens with the tokens already on their way (`firsts`: inserted, the
+    first token not yet read; the call in flight). A call nobody needs would keep the device busy, and a request
+    arriving next would wait for it."""
+    coming_first = {(id(run), index) for run, index, _ in firsts}
     for slot, (run, index) in owners.items():
         tracker = run.trackers[index]
         coming = int((id(run), index) in coming_first)
-        owner = in_flight.get(slot)
+        owner = in_flight.owners.get(slot) if in_flight is not None else None
         if owner is not None and owner[0] is run and owner[1] == index:
-            coming += in_flight_steps
+            coming += in_flight.steps
         if tracker.generated + coming < tracker.max_tokens:
             return True
     return False
