@@ -11,7 +11,7 @@
     return node;
   };
 
-  const state = { mode: "chat", lang: "curl", abort: null, last: null, tokens: [], pinned: null, hideTimer: 0, quiet: false, usage: null };
+  const state = { mode: "chat", lang: "curl", abort: null, last: null, tokens: [], pinned: null, hideTimer: 0, quiet: false, usage: null, failed: false };
 
   // ---- bytes and text ---------------------------------------------------------------------------------
 
@@ -369,7 +369,7 @@
   }
 
   function onChunk(obj) {
-    if (obj.error) { showError(`Error during the stream: ${obj.error.message}`); return null; }
+    if (obj.error) { state.failed = true; showError(`Error during the stream: ${obj.error.message}`); return null; }
     let finish = null;
     for (const choice of obj.choices || []) {
       if (choice.index !== 0) continue;
@@ -394,6 +394,7 @@
     state.last = req;
     state.tokens = [];
     state.usage = null;
+    state.failed = false;
     renderCode();
     const out = $("output");
     out.replaceChildren();
@@ -423,7 +424,8 @@
       showStats();
       const usage = state.usage ? ` · ${state.usage.prompt_tokens} prompt + ${state.usage.completion_tokens} completion tokens` : "";
       const scored = `Scored ${state.tokens.length} prompt tokens (the first has no prefix, so no logprob).`;
-      setStatus(req.stream ? `Done (finish_reason: ${finish})${usage}.` : scored, "done");
+      if (state.failed) setStatus("Failed during the stream.", "error");
+      else setStatus(req.stream ? `Done (finish_reason: ${finish})${usage}.` : scored, "done");
     } catch (err) {
       if (err.name === "AbortError") { setStatus("Stopped: the request was cancelled.", "stopped"); if (state.tokens.length) showStats(); }
       else { showError(`Request failed: ${err.message}`); setStatus("Failed.", "error"); }

@@ -40,9 +40,10 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 EMOJI_CJK = "Pizza 🍕 and sushi 寿司 taste good 🙂"
-TOKENS_JS = """() => [...document.querySelectorAll('#output .tok')].map(b => ({
+TOKENS_JS = r"""() => [...document.querySelectorAll('#output .tok')].map(b => ({
     token: b.dataset.token, logprob: b.dataset.logprob, bytes: JSON.parse(b.dataset.bytes),
     alts: JSON.parse(b.dataset.alts), rank: b.dataset.rank, special: b.classList.contains('special'),
+    colour: [...b.classList].find(c => /^p(\d|none)$/.test(c)),
     text: b.textContent}))"""
 
 
@@ -130,6 +131,14 @@ def _page(browser, url: str, width: int = 1100, height: int = 900) -> Iterator[o
 # ---- helpers ----------------------------------------------------------------------------------------------
 
 
+def colour(logprob: float | None) -> str:
+    """The page's colour class for a probability: the legend's bins."""
+    if logprob is None:
+        return "pnone"
+    p = math.exp(logprob)
+    return next(f"p{6 - i}" for i, edge in enumerate((0.9, 0.7, 0.5, 0.3, 0.1, 0.0)) if p >= edge)
+
+
 def run(page, mode: str, prompt: str, wait: bool = True, **controls: object) -> None:
     """Pick the mode, fill the prompt and the controls (by element id), press Run and wait for the end."""
     page.click(f"#mode-{mode}")
@@ -195,9 +204,11 @@ def test_chat_stream_renders_what_the_api_returns(page, shots: Path) -> None:
         seed=1234,
         max_tokens=12,
         top_logprobs=5,
+        stop="Blue\n\\n",  # two stop strings, one per line; the second is "\n" written as backslash-n
     )
     url, body = curl_request(page)
     assert url.endswith("/v1/chat/completions")
+    assert body["stop"] == ["Blue", "\n"]
     assert body["seed"] == 1234 and body["top_logprobs"] == 5 and body["logprobs"] is True
     assert body["stream"] is True and body["max_tokens"] == 12 and body["temperature"] == 1
     assert python_kwargs(page) == body
@@ -207,6 +218,7 @@ def test_chat_stream_renders_what_the_api_returns(page, shots: Path) -> None:
     assert len(shown) >= 1
     for t, e in zip(shown, expected, strict=True):
         assert float(t["logprob"]) == e["logprob"]
+        assert t["colour"] == colour(e["logprob"])
         assert t["bytes"] == e["bytes"]
         assert t["special"] == (e["bytes"] is None)
         assert t["alts"] == [[a["token"], a["logprob"], a["bytes"]] for a in e["top_logprobs"]]
@@ -285,6 +297,7 @@ def test_score_mode_totals_match_the_echo_logprobs(page, shots: Path) -> None:
     shown = dom_tokens(page)
     assert [t["token"] for t in shown] == expected["tokens"]
     assert shown[0]["logprob"] == "null"
+    assert [t["colour"] for t in shown] == [colour(lp) for lp in expected["token_logprobs"]]  # the heat map
     # rank among the alternatives when in the top 20; none otherwise
     ranked = 0
     for t, lp, top in zip(
