@@ -23,12 +23,54 @@ from tpuserve.sampler.config import EngineConfig
 from tests.helpers import engine_config, require_extra
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
 
 # The engine every real-model test shares: as served (EngineConfig: 64 slots, so batch invariance is checked next
 # to 63 other requests; one request decodes on 2 rows, 8 steps a call) on shorter sequences, with prefix-cache
 # blocks of 32 tokens (tests share prompt prefixes across requests).
 ENGINE = dataclasses.replace(EngineConfig(), max_seq_len=256, min_prefill_bucket=32, prefill_chunk=32)
+
+# The fast tier (`make test-fast`, `pytest -m "not slow"`): every layer through fakes and tiny models. A test is
+# slow when it needs the embedded model (these session fixtures load and warm it: about a minute before the first
+# such test) or belongs to a module that starts processes, compiles for several devices or runs a load of its own.
+REAL_MODEL_FIXTURES = {
+    "embedded",
+    "embedded_dense",  # tests/model/test_quant.py: the embedded model dequantized at load
+    "engine",
+    "together_engine",
+    "hf_reference",
+    "real_backend",
+    "real_backend_address",
+}
+SLOW_MODULES = {
+    "tests/grpc_service/test_multihost.py",  # process groups over jax.distributed
+    "tests/sampler/test_compile_cache.py",  # cold and warm starts of real backends
+    "tests/sampler/test_sharding.py",  # meshes of 4 CPU devices
+    "tests/http_gateway/test_faults.py",  # backend and gateway processes killed and restarted
+    "tests/http_gateway/test_load.py",
+    "tests/http_gateway/test_gateway_openapi_fuzz.py",
+    "tests/model/test_serving_without_torch.py",  # a venv-like subprocess with torch hidden
+    "tests/bench/test_device_smoke.py",
+    "tests/cli/test_serve_command.py",  # `tpuserve serve` processes
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "slow: needs the embedded model or processes of its own (not in test-fast)"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = pathlib.Path(str(item.fspath)).resolve().relative_to(REPO).as_posix()
+        callspec = getattr(item, "callspec", None)
+        real_gateway = callspec is not None and callspec.params.get("gateway") == "real"  # tests/http_gateway
+        if (
+            module in SLOW_MODULES
+            or real_gateway
+            or REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ()))
+        ):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from tpuserve.sampler.engine import JaxEngine
 from tpuserve.sampler.api import SlotParams
 import tpuserve.grpc_service.server, tpuserve.cli.main
 m = load_model()
-e = JaxEngine(m, slots=1, max_seq_len=64, steps_per_call=2)
+e = JaxEngine(m, slots=1, max_seq_len=64, steps_per_call=2, min_prefill_bucket=32)
 out = e.insert(e.prefill(m.tokenizer.encode("Hi")), 0, SlotParams(max_tokens=2, temperature=0.0))
 bad = sorted(k for k in ("torch", "transformers") if k in sys.modules)
 print("imported:", bad)
