@@ -99,7 +99,7 @@ class LeaderEngine(Engine):
                 return pending.result()
             except Exception as e:
                 self.channel.failed(
-                    f"a device call failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                    f"a device call of the group failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
                 )
                 raise EngineUnavailable(self.channel.fault) from e
 

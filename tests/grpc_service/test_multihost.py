@@ -23,7 +23,7 @@ from tpuserve.cli.main import main as cli_main
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2_grpc as pb_grpc
 
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_until
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 TP_TOL = 5e-5  # README: the row-parallel products sum partial results across devices in another order
@@ -126,6 +126,12 @@ class Group:
             pytest.fail(f"not serving within 600 s:\n{self.log_tail()}")
         self.model = httpx.get(f"{self.base}/v1/models", timeout=10).json()["data"][0]["id"]
 
+    def active_slots(self) -> float:
+        """The leader backend's slots holding a sample (its metrics: GRPC_PORT + 1, `tpuserve serve`'s default)."""
+        text = httpx.get(f"http://127.0.0.1:{self.grpc_port + 1}/metrics", timeout=5).text
+        line = next(x for x in text.splitlines() if x.startswith("tpuserve_backend_active_slots "))
+        return float(line.split()[1])
+
     def _start(self, name: str, cmd: list[str], env: dict) -> subprocess.Popen:
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
@@ -210,7 +216,8 @@ def test_two_processes_serve_like_one_and_stop_together_on_sigterm(tmp_path, ref
             target=lambda: done.append(httpx.post(f"{group.base}/v1/completions", json=body, timeout=300))
         )
         t.start()
-        time.sleep(2.0)
+        started = wait_until(lambda: bool(done) or group.active_slots() >= 1, timeout=60, step=0.05)
+        assert started, "the request never started"
         group.leader.send_signal(signal.SIGTERM)
         t.join(300)
         assert done and done[0].status_code == 200, done and done[0].text
@@ -238,7 +245,9 @@ def test_a_lost_follower_gives_503_and_the_leader_exits_1(tmp_path, fault):
         ]
         for t in threads:
             t.start()
-        time.sleep(3.0)
+        assert wait_until(lambda: group.active_slots() >= 2, timeout=60, step=0.05), (
+            "the requests never started"
+        )
         started = time.monotonic()
         os.killpg(group.followers[0].pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
         for t in threads:

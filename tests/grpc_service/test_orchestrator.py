@@ -170,7 +170,8 @@ def test_cancel_releases_slots_before_the_next_generate():
         firsts = [await s.events().__anext__() for s in streams]
         for s in streams:
             orch.cancel(s)
-        await asyncio.sleep(0.1)
+        while len(engine.releases) < 4:  # the cancelled samples' slots are released
+            await asyncio.sleep(0.005)
         return firsts, await collect(orch, job(max_tokens=3))
 
     try:
@@ -358,7 +359,8 @@ def test_long_calls_are_read_in_their_turn_while_a_slot_is_free():
     async def main():
         running = orch.submit(job(max_tokens=41))
         await running.events().__anext__()
-        await asyncio.sleep(0.1)  # a few calls
+        while engine.decode_calls < 3:  # a few calls, the first one timed
+            await asyncio.sleep(0.005)
         late = await collect(orch, job(prompt=(3, 1), max_tokens=3))
         return late, await drain(running)
 

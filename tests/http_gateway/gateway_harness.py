@@ -48,6 +48,14 @@ class GatewayServer:
         self.sock.close()
 
 
+def requests_in_flight(gateway_url: str) -> float:
+    """The gateway's `tpuserve_gateway_requests_in_flight` gauge, read from its /metrics."""
+    for line in httpx.get(gateway_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("tpuserve_gateway_requests_in_flight "):
+            return float(line.split()[1])
+    raise AssertionError("no tpuserve_gateway_requests_in_flight in /metrics")
+
+
 def sse_events(text: str) -> list[str]:
     """The `data:` payloads of an SSE body, in order (including the final "[DONE]")."""
     out = []

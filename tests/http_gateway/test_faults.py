@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gateway_harness import GatewayServer, sse_events
+from gateway_harness import GatewayServer, requests_in_flight, sse_events
 from scripted_backend import MODEL_ID
 
 from tests.helpers import free_port, wait_until
@@ -185,7 +185,8 @@ def test_backend_killed_mid_stream_then_restarted_on_the_same_port() -> None:
                     pool.submit(http.post, CHAT, json=chat_body(slow, max_tokens=3000)),
                     pool.submit(http.post, COMPLETIONS, json=completion_body(slow, max_tokens=3000)),
                 ]
-                time.sleep(0.3)  # both have reached the backend
+                # the three streams and both requests are in flight
+                assert wait_until(lambda: requests_in_flight(server.url) >= 5, timeout=10)
                 backend.kill()
                 for f in in_flight:
                     err = assert_error_response(f.result(10), 503)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gateway_harness import API_KEY, GatewayServer
+from gateway_harness import API_KEY, GatewayServer, requests_in_flight
 
 CHROMIUM = "/usr/bin/chromium"
 INSTALL = "make install-test"
@@ -356,13 +356,6 @@ def test_wrong_api_key_shows_the_401_message(browser, keyed_gw: str, shots: Path
         assert API_KEY not in page.inner_text("#code")
 
 
-def _in_flight(gateway: str) -> float:
-    for line in httpx.get(gateway + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("tpuserve_gateway_requests_in_flight "):
-            return float(line.split()[1])
-    raise AssertionError("no tpuserve_gateway_requests_in_flight in /metrics")
-
-
 def test_stop_cancels_the_stream(page, gw: str, request: pytest.FixtureRequest) -> None:
     backend = None if os.environ.get("TPUSERVE_TEST_BACKEND") else request.getfixturevalue("real_backend")
 
@@ -388,9 +381,11 @@ def test_stop_cancels_the_stream(page, gw: str, request: pytest.FixtureRequest) 
     assert "Stopped" in page.inner_text("#status")
     assert page.is_disabled("#stop-button") and page.is_enabled("#run")
     deadline = time.monotonic() + 20
-    while (_in_flight(gw) or (backend is not None and backend_busy())) and time.monotonic() < deadline:
+    while (
+        requests_in_flight(gw) or (backend is not None and backend_busy())
+    ) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _in_flight(gw) == 0
+    assert requests_in_flight(gw) == 0
     if backend is not None:
         assert backend_busy() == 0
     assert page.locator("#output .tok").count() < 200  # cut short, not run to the end
