@@ -10,7 +10,7 @@ accepted by the schema and refused by `check_supported` with a 400 naming the pa
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 from pydantic_core import PydanticCustomError
@@ -45,21 +45,29 @@ class OutputTextContent(_Strict):
     logprobs: list[dict[str, Any]] | None = None
 
 
-class _UnsupportedPart(BaseModel):
-    """input_image, input_file, refusal...: a 400 on `type`."""
+class _Refused(BaseModel):
+    """A union member for every `type` the server does not take: a 400 on `type` with the subclass's error."""
 
     model_config = ConfigDict(extra="allow")
+    error: ClassVar[tuple[str, str]]  # (pydantic error type, message with {kind})
     type: Any = None
 
     @field_validator("type")
     @classmethod
     def _refuse(cls, value: Any) -> Any:
-        raise PydanticCustomError(
-            "unsupported_content",
+        raise PydanticCustomError(*cls.error, {"kind": repr(value)})
+
+
+class _UnsupportedPart(_Refused):
+    """input_image, input_file, refusal...: a 400 on `type`."""
+
+    error = (
+        "unsupported_content",
+        (
             "content parts of type {kind} are not supported here (only input_text, and output_text in "
-            "assistant messages)",
-            {"kind": repr(value)},
-        )
+            "assistant messages)"
+        ),
+    )
 
 
 def _type_of(value: Any) -> Any:
@@ -120,21 +128,13 @@ class FunctionCallOutputItem(_Strict):
         return _joined(self.output)
 
 
-class _UnsupportedItem(BaseModel):
+class _UnsupportedItem(_Refused):
     """Any other input item (reasoning, item_reference, images, built-in tool calls...): a 400 on `type`."""
 
-    model_config = ConfigDict(extra="allow")
-    type: Any = None
-
-    @field_validator("type")
-    @classmethod
-    def _refuse(cls, value: Any) -> Any:
-        raise PydanticCustomError(
-            "unsupported_item",
-            "input items of type {kind} are not supported here (only message, function_call and "
-            "function_call_output)",
-            {"kind": repr(value)},
-        )
+    error = (
+        "unsupported_item",
+        "input items of type {kind} are not supported here (only message, function_call and function_call_output)",
+    )
 
 
 _ITEM_TAGS = {
