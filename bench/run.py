@@ -1,6 +1,6 @@
 """`make bench` (`python -m bench.run [--quick] [--only ROWS] [--config FILE] [--llama-server BIN] [--json OUT]`):
 tpuserve measured the way users meet it, against baselines measured in the same run, printed as one Markdown
-table (the README embeds it).
+table (the README and docs/benchmarks.md show it).
 
 tpuserve runs as `tpuserve serve` (a subprocess on free ports, default settings unless `--config`) and is
 measured over HTTP by streaming clients (httpx, SSE), request sent -> last token received, prefill included.

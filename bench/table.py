@@ -1,4 +1,4 @@
-"""The benchmark's result rows: targets, PASS/MISS, the Markdown table the README embeds, the JSON file."""
+"""The benchmark's result rows: targets, PASS/MISS, the Markdown table the README and docs/benchmarks.md show, the JSON file."""
 
 from __future__ import annotations
 

@@ -114,7 +114,7 @@ def add_quantization_flag(p: argparse.ArgumentParser) -> None:
         default=None,
         choices=("none", "keep", "int8"),
         help="weights in memory: none (all in dtype), keep (a GGUF's quantized blocks), int8 (per channel); "
-        "default: the source's (GGUF: see README)",
+        "default: the source's (GGUF: see docs/engine.md)",
     )
 
 
@@ -184,7 +184,9 @@ def parser(prog: str = "python -m tpuserve.grpc_service") -> argparse.ArgumentPa
         default=None,
         help="require client certificates signed by this CA (mutual TLS)",
     )
-    g = p.add_argument_group("several processes (one model across the hosts of a TPU slice; README)")
+    g = p.add_argument_group(
+        "several processes (one model across the hosts of a TPU slice; docs/multiprocess.md)"
+    )
     g.add_argument(
         "--coordinator", default=None, metavar="HOST:PORT", help="process 0's address (jax.distributed)"
     )

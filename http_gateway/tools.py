@@ -2,7 +2,7 @@
 (`tools_json`, and the grammar for a forced call), and the parser that turns generated text into tool calls.
 
 The backend renders the tools with the chat template's tools section, or with the generic tool prompt that asks
-for Hermes-style lines `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (README: tool calls). A forced
+for Hermes-style lines `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (docs/http-api.md: tool calls). A forced
 call (`tool_choice` "required" or a named function) is constrained by a JSON Schema for the bare JSON form
 `{"name": ..., "arguments": {...}}` (a list of them for "required" with parallel calls), so it always parses.
 The parser accepts both forms; "none" offers no tools at all (as vLLM does by default), so the answer is text.

@@ -26,7 +26,7 @@ from tpuserve.model.quant import INT8_PARAMS, is_quantized, map_fields, quantize
 
 QUANTIZATION_MODES = ("none", "keep", "int8")
 # What a GGUF model is served as when no mode is asked for: on a 2-core CPU keep serves about as fast as fp32 at
-# 64 streams and a little slower at one (`make bench --only quant`, README "Quantized weights"), in a fifth of the
+# 64 streams and a little slower at one (`make bench --only quant`, docs/benchmarks.md "Quantized weights"), in a fifth of the
 # bytes, with the same logprobs.
 DEFAULT_GGUF_QUANTIZATION = "keep"
 

@@ -5,7 +5,7 @@ XLA:CPU allocates a program's buffers for each call and frees them when it ends.
 mmap threshold (at most 32 MiB) with a fresh mapping and unmaps it when freed, and trims its heap once the free
 top passes 128 KiB: the next call's buffers are then fresh pages, each faulting when first touched. A 64-row
 decode call of the embedded model touches about 48 MiB of fresh pages that way, and faulting them in costs some
-twenty times writing them once mapped (README, "Host memory"). With
+twenty times writing them once mapped (docs/engine.md, "Host memory"). With
 mmap off for malloc (every block from the heap) and the heap trimmed only past 128 MiB of free top, the same
 call touches none. The resident set then stays near its peak instead of shrinking between calls.
 

@@ -4,7 +4,7 @@ the first backend starts; later changes are ignored).
 XLA:CPU's default scheduler orders a program for concurrency: independent fusions may run side by side on the
 thread pool, at the price of more buffers alive at once. On this project's CPU decode programs that loses:
 the memory-optimized (depth-first) order made a 64-row decode step 15-17 % faster and a one-row step ~4 %
-faster on a 2-core host (README, "XLA:CPU scheduler"); each fusion's arithmetic is unchanged, so tokens and
+faster on a 2-core host (docs/engine.md, "XLA:CPU scheduler"); each fusion's arithmetic is unchanged, so tokens and
 logprobs are too. The flag is an XLA:CPU one: GPU and TPU programs ignore it. A scheduler the user names in
 `XLA_FLAGS` is kept.
 """

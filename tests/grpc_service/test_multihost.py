@@ -26,7 +26,7 @@ from tpuserve.proto.tpuserve.v1 import tpuserve_pb2_grpc as pb_grpc
 from tests.helpers import free_port, wait_until
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-TP_TOL = 5e-5  # README: the row-parallel products sum partial results across devices in another order
+TP_TOL = 5e-5  # docs/engine.md "Numerical fidelity": row-parallel products sum in another order
 ENGINE = {
     "slots": 4,
     "max_seq_len": 128,

@@ -106,7 +106,7 @@ def test_logits_match_transformers_from_safetensors_and_orbax(hf_model_dir, tmp_
 
 def test_int8_at_load_and_from_convert(hf_model_dir, tmp_path, capsys):
     """int8 weight-only per channel on a safetensors model: quantized at load, or written to Orbax by `convert
-    --quantization int8` (the same weights); its drift from the unquantized model is measured (README). `keep`
+    --quantization int8` (the same weights); its drift from the unquantized model is measured (docs/engine.md). `keep`
     has no blocks to keep here and is refused, naming the mode and the tensors' type."""
     name, path, _ = hf_model_dir
     ids = list(np.random.default_rng(1).integers(0, BASE["vocab_size"], size=40))

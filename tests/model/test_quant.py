@@ -281,7 +281,9 @@ def test_int8_convert_embedded_drift(embedded_dense, tmp_path: pathlib.Path) -> 
         f"int8 (embedded, {len(ids)} tokens): teacher-forced |dlogprob| mean {tf.mean():.3f} max {tf.max():.3f}; "
         f"KL mean {kl.mean():.4f} max {kl.max():.4f}; top-1 agreement {(ref.argmax(-1) == got.argmax(-1)).mean():.3f}"
     )
-    assert tf.mean() < 0.3 and kl.mean() < 0.05  # README: "Quantized weights" states the measured figures
+    assert (
+        tf.mean() < 0.3 and kl.mean() < 0.05
+    )  # docs/engine.md "Quantized weights" states the measured figures
     with pytest.raises(
         ModelLoadError, match=r"quantization 'none' cannot load this checkpoint: it holds int8"
     ):

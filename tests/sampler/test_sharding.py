@@ -66,7 +66,7 @@ def test_sharded_engine_matches_one_device(orbax_dir, embedded, one_device):
         tp, _ = run_engine(tp_engine, [(1, ids, params)])
         assert tp[1][0] == one[0][0]
         # Tensor parallelism sums the wo / w_down contractions in partial sums across devices, a different fp32
-        # reduction order: differences up to a few 1e-5 (sampled token and top-20) over 8 steps; see README.
+        # reduction order: differences up to a few 1e-5 (sampled token and top-20) over 8 steps; see docs/engine.md "Numerical fidelity".
         assert np.abs(np.array(tp[1][1]) - np.array(one[0][1])).max() < 5e-5
         assert np.abs(np.stack(tp[1][3]) - np.stack(one[0][3])).max() < 5e-5
 
