@@ -1,7 +1,7 @@
-"""The `prefix` row group of `make bench`: two `tpuserve serve` processes on the same settings but for the prefix
-cache (on / off), both with 8 slots and a 1024-token context (the chat history below needs it), measured
-alternately (on, off, on, off, ...; medians) on three workloads. Every repetition uses texts of its own, so a
-repetition never finds the blocks of the one before.
+"""The `prefix` row group of `make bench`: two `tpuserve serve` processes on `make serve`'s settings (the
+defaults, or `--config`'s) but for the prefix cache (on / off), measured alternately (on, off, on, off, ...;
+medians) on three workloads, a row each (a refused one, e.g. a history longer than the context, fails alone).
+Every repetition uses texts of its own, so a repetition never finds the blocks of the one before.
 
   prefix_mc     lm-evaluation-harness-style multiple choice: 8 contexts of ~400 tokens x 4 continuations of ~8
                 tokens, `echo`, `max_tokens: 0`, `logprobs: 1`, one request per context (its four prompts as a
@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import pathlib
 import time
+import traceback
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -26,7 +28,6 @@ from bench import clients, servers
 from bench.rows import CHAT, COMPLETIONS, alternate, log, median
 from bench.table import FAILED, Row, Target, judged, not_run
 
-SETTINGS = {"slots": 8, "max_seq_len": 1024}
 WORDS = [
     *("harbour", "lantern", "winter", "orchard", "river", "quarry", "meadow", "signal", "copper", "timber"),
     *("canvas", "ledger", "compass", "valley", "granite", "market", "thunder", "bridge", "ribbon", "cellar"),
@@ -115,6 +116,16 @@ def _none(base_url: str, model: str, rep: int) -> float:
     return batch.tok_s
 
 
+def _each(key: str, row: Callable[[], Row]) -> Row:
+    """One workload's row, or an error row saying what broke (e.g. a prompt longer than the context): the
+    other workloads still run."""
+    try:
+        return row()
+    except Exception as e:  # noqa: BLE001 -- reported as the row's result
+        traceback.print_exc()
+        return Row(key, f"{key}: failed", "—", "—", None, "", FAILED, f"{type(e).__name__}: {e}")
+
+
 def prefix_rows(config: str | None, workdir: pathlib.Path, reps: int, raw: dict, external: bool) -> list[Row]:
     names = ("prefix_mc", "prefix_chat", "prefix_none")
     if external:
@@ -122,7 +133,7 @@ def prefix_rows(config: str | None, workdir: pathlib.Path, reps: int, raw: dict,
             not_run(n, n, Target(">=", 1.0), "needs servers this run starts (not --tpuserve-url)")
             for n in names
         ]
-    variants = {"on": {**SETTINGS, "prefix_cache": True}, "off": {**SETTINGS, "prefix_cache": False}}
+    variants = {"on": {"prefix_cache": True}, "off": {"prefix_cache": False}}
     paths = servers.config_variants(workdir, config, "prefix-cache", variants)
     with servers.Servers() as pool:
         on = pool.start(servers.tpuserve(workdir, paths["on"], name="tpuserve-prefix-on"))
@@ -142,31 +153,36 @@ def prefix_rows(config: str | None, workdir: pathlib.Path, reps: int, raw: dict,
 
             return run
 
-        rows: list[Row] = []
-        mc = alternate([step(s, lambda url, rep: _mc(url, model, rep)) for s in ("on", "off")], reps)
-        same = all(a[1] == b[1] for a, b in zip(*mc, strict=True))
-        raw["prefix_mc"] = {s: [(x[0], x[2]) for x in samples] for s, samples in zip(("on", "off"), mc)}
-        mc_on, mc_off = (median([x[0] for x in samples]) for samples in mc)
-        name = "prefix cache: lm-eval multiple choice, 8 contexts ~400 tok x 4 choices, echo, prompts/s on vs off"
-        row = judged("prefix_mc", name, f"{mc_on:.2f} prompts/s", f"cache off: {mc_off:.2f} prompts/s",
-                     mc_on / mc_off, Target(">=", 2.5), f"{mc[0][0][2]} prompt tokens per repetition")  # fmt: skip
-        if not same:
-            row = Row("prefix_mc", name, row.measured, row.baseline, row.ratio, row.target, FAILED,
-                      "the echoed logprobs differ between cache on and off")  # fmt: skip
-        rows.append(row)
+        def mc_row() -> Row:
+            mc = alternate([step(s, lambda url, rep: _mc(url, model, rep)) for s in ("on", "off")], reps)
+            same = all(a[1] == b[1] for a, b in zip(*mc, strict=True))
+            raw["prefix_mc"] = {s: [(x[0], x[2]) for x in samples] for s, samples in zip(("on", "off"), mc)}
+            mc_on, mc_off = (median([x[0] for x in samples]) for samples in mc)
+            name = "prefix cache: lm-eval multiple choice, 8 contexts ~400 tok x 4 choices, echo, prompts/s"
+            name += " on vs off"
+            row = judged("prefix_mc", name, f"{mc_on:.2f} prompts/s", f"cache off: {mc_off:.2f} prompts/s",
+                         mc_on / mc_off, Target(">=", 2.5), f"{mc[0][0][2]} prompt tokens per repetition")  # fmt: skip
+            if not same:
+                row = Row("prefix_mc", name, row.measured, row.baseline, row.ratio, row.target, FAILED,
+                          "the echoed logprobs differ between cache on and off")  # fmt: skip
+            return row
 
-        chat = alternate([step(s, lambda url, rep: _chat(url, model, rep)) for s in ("on", "off")], reps)
-        raw["prefix_chat"] = {s: samples for s, samples in zip(("on", "off"), chat)}
-        t_on, t_off = (median([x[0] for x in samples]) for samples in chat)
-        prompt, cached = chat[0][-1][1], chat[0][-1][2]
-        rows.append(judged("prefix_chat", f"prefix cache: chat second turn after a {prompt}-token history "
-                           f"({cached} cached), time to first text, on vs off", f"{t_on * 1000:.0f} ms",
-                           f"cache off: {t_off * 1000:.0f} ms", t_on / t_off, Target("<=", 0.3)))  # fmt: skip
+        def chat_row() -> Row:
+            chat = alternate([step(s, lambda url, rep: _chat(url, model, rep)) for s in ("on", "off")], reps)
+            raw["prefix_chat"] = {s: samples for s, samples in zip(("on", "off"), chat)}
+            t_on, t_off = (median([x[0] for x in samples]) for samples in chat)
+            prompt, cached = chat[0][-1][1], chat[0][-1][2]
+            return judged("prefix_chat", f"prefix cache: chat second turn after a {prompt}-token history "
+                          f"({cached} cached), time to first text, on vs off", f"{t_on * 1000:.0f} ms",
+                          f"cache off: {t_off * 1000:.0f} ms", t_on / t_off, Target("<=", 0.3))  # fmt: skip
 
-        none = alternate([step(s, lambda url, rep: _none(url, model, rep)) for s in ("on", "off")], reps)
-        raw["prefix_none"] = {s: samples for s, samples in zip(("on", "off"), none)}
-        n_on, n_off = (median(samples) for samples in none)
-        rows.append(judged("prefix_none", "prefix cache: no shared prefixes, 8 streams x ~200-token prompts x 32 "
-                           "tokens, tok/s on vs off", f"{n_on:.1f} tok/s", f"cache off: {n_off:.1f} tok/s",
-                           n_on / n_off, Target(">=", 0.97)))  # fmt: skip
+        def none_row() -> Row:
+            none = alternate([step(s, lambda url, rep: _none(url, model, rep)) for s in ("on", "off")], reps)
+            raw["prefix_none"] = {s: samples for s, samples in zip(("on", "off"), none)}
+            n_on, n_off = (median(samples) for samples in none)
+            return judged("prefix_none", "prefix cache: no shared prefixes, 8 streams x ~200-token prompts x 32 "
+                          "tokens, tok/s on vs off", f"{n_on:.1f} tok/s", f"cache off: {n_off:.1f} tok/s",
+                          n_on / n_off, Target(">=", 0.97))  # fmt: skip
+
+        rows = [_each(key, row) for key, row in zip(names, (mc_row, chat_row, none_row))]
     return rows

@@ -12,6 +12,7 @@ minutes once per machine, then reused); without it the llama rows print
 Every row shows the measurement, the baseline's, their ratio, the target and PASS/MISS; a row that could not be
 measured says "not run" or "error", never PASS. Row groups (`--only`, comma-separated; default all):
   single, many, ttft, ttft_load, logprobs   see bench/rows.py
+  mixed, shared_system   a mixed load of short and ~3,000-token prompts; a shared system prompt: bench/mixed.py
   prefix     the prefix cache on vs off (two servers of their own): see bench/prefix.py
   quant      the GGUF's quantized blocks kept vs dequantized at load (two servers of their own): bench/quant.py
   multihost  one model over 2 processes x 2 CPU devices vs 1 process x 4 (servers of their own, one loaded at a
@@ -42,19 +43,22 @@ import time
 import traceback
 from collections.abc import Callable
 
-from bench import clients, rows, servers, workload
+from bench import clients, mixed, rows, servers, workload
 from bench.hf import TORCH_THREADS
 from bench.table import FAILED, Row, Target, count_row, judged, markdown, not_run, write_json
 
-ALL = ["single", "ttft", "many", "logprobs", "ttft_load", "compiles", "startup", "prefix", "quant"]
-ALL += ["multihost", "engine"]
-LLAMA_GROUPS = {"single", "ttft", "many", "ttft_load"}
+ALL = ["single", "ttft", "many", "logprobs", "ttft_load", "mixed", "shared_system", "compiles", "startup"]
+ALL += ["prefix", "quant", "multihost", "engine"]
+LLAMA_GROUPS = {"single", "ttft", "many", "ttft_load", "mixed", "shared_system"}
+GROUPS = {**rows.GROUPS, **mixed.GROUPS}  # the groups measured on the run's servers (measure_http)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="few tokens and streams, one round (a smoke run)")
-    p.add_argument("--only", default=",".join(ALL), help=f"comma-separated row groups ({', '.join(ALL)})")
+    p.add_argument(
+        "--only", "--rows", default=",".join(ALL), help=f"comma-separated row groups ({', '.join(ALL)})"
+    )
     p.add_argument("--config", default=None, help="YAML config passed to `tpuserve serve --config`")
     p.add_argument(
         "--llama-server",
@@ -208,10 +212,10 @@ def startup_row(args: argparse.Namespace, workdir: pathlib.Path, raw: dict) -> R
 def _run_groups(ctx: rows.Context, groups: list[str]) -> list[Row]:
     out: list[Row] = []
     for name in groups:
-        if name not in rows.GROUPS:
+        if name not in GROUPS:
             continue
         try:
-            out += rows.GROUPS[name](ctx)
+            out += GROUPS[name](ctx)
         except Exception as e:  # noqa: BLE001 -- a group's failure is its row's result; the others still run
             traceback.print_exc()
             out.append(Row(name, f"{name}: failed", "—", "—", None, "", FAILED, f"{type(e).__name__}: {e}"))
@@ -240,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.llama_server and not args.llama_url:
         args.llama_server = _llama_server_binary(args.llama_server)
-    groups = [g.strip() for g in args.only.split(",") if g.strip()]
+    groups = [g.strip().replace("-", "_") for g in args.only.split(",") if g.strip()]  # shared-system too
     unknown = sorted(set(groups) - set(ALL))
     if unknown:
         _parser().error(f"unknown row group(s) {', '.join(unknown)}; choose from {', '.join(ALL)}")

@@ -59,6 +59,12 @@ class Plan:
     lp_tokens: int = 64
     lp_k: int = 20
     engine_streams: int = 64  # in-process diagnostic (capped at the engine's slots)
+    mixed_short: int = 60  # mixed load: short prompts ...
+    mixed_long: int = 4  # ... and long ones, all at once
+    mixed_long_words: int = 2650  # a long prompt's filler words: ~3,000 tokens (~1.13 a word)
+    mixed_tokens: int = 64
+    sys_warmups: int = 2  # shared system prompt: requests a round before the probes (fill the caches) ...
+    sys_probes: int = 8  # ... and probes timed
 
 
 FULL = Plan()
@@ -75,6 +81,12 @@ QUICK = Plan(
     lp_streams=4,
     lp_tokens=8,
     engine_streams=4,
+    mixed_short=6,
+    mixed_long=1,
+    mixed_long_words=300,
+    mixed_tokens=8,
+    sys_warmups=1,
+    sys_probes=2,
 )
 
 

@@ -33,10 +33,11 @@ class Fake:
     """Streams `max_tokens` one-token chunks (completions: " w<i>" and a raw U+2028): the first after `ttft_s`,
     then one per `token_s` (`lp_token_s` when `logprobs` is asked). A prompt containing "Dear diary" stops after
     3 tokens (EOS). Serves /health, /v1/models, a tpuserve-style /metrics (its compile counter moves once, on the
-    first logprobs request) and a llama-style /slots."""
+    first logprobs request) and a llama-style /slots. A prompt longer than `max_prompt_chars` is refused (400)."""
 
     def __init__(self, ttft_s: float, token_s: float, lp_token_s: float) -> None:
         self.ttft_s, self.token_s, self.lp_token_s = ttft_s, token_s, lp_token_s
+        self.max_prompt_chars: int | None = None
         self.in_flight = 0
         self.compiles = 7
         self.bodies: list[dict] = []
@@ -66,6 +67,8 @@ class Fake:
         async def generate(request):
             body = await request.json()
             self.bodies.append(body)
+            if self.max_prompt_chars and len(json.dumps(body.get("prompt") or "")) > self.max_prompt_chars:
+                return JSONResponse({"error": {"message": "the prompt is longer than the context"}}, 400)
             return StreamingResponse(self.events(body, request.url.path.endswith("chat/completions")),
                                      media_type="text/event-stream")  # fmt: skip
 
@@ -236,6 +239,30 @@ def test_llama_rows_not_run_without_llama(pair, capsys):
     table = capsys.readouterr().out
     row = next(line for line in table.splitlines() if line.startswith("| HTTP, 8 streams"))
     assert row.rstrip().endswith("| not run |") and "tok/s" in row
+
+
+def test_mixed_and_shared_system_rows(pair, tmp_path, capsys):
+    """A refused long prompt is counted (MISS) and makes the throughput comparison "not run", without failing the
+    run; the shared system prompt opens every chat, and llama-server is asked to keep its slot cache."""
+    tpu, llama = pair
+    tpu.fake.max_prompt_chars = 1000  # the --quick long prompt has ~300 words
+    out = tmp_path / "bench.json"
+    rc = run.main(["--quick", "--no-hf", "--rows", "mixed,shared-system", "--tpuserve-url", tpu.url,
+                   "--tpuserve-metrics-url", tpu.url, "--llama-url", llama.url, "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    mixed, throughput, shared = json.loads(out.read_text())["rows"]
+    assert (mixed["measured"], mixed["baseline"], mixed["result"]) == ("1", "llama-server: 0", MISS)
+    assert "of 7 requests" in mixed["note"] and "HTTP 400" in mixed["note"]
+    assert throughput["result"] == NOT_RUN and "tok/s" in throughput["measured"]
+    assert shared["key"] == "shared_system" and shared["result"] == MISS and shared["ratio"] > 5
+    chats = [b for fake in (tpu.fake, llama.fake) for b in fake.bodies if "messages" in b]
+    system = [b for b in chats if b["messages"][0]["role"] == "system"]  # the others: run.py's warm-up chats
+    assert len(system) == 6 and len({b["messages"][0]["content"] for b in system}) == 1
+    assert len({b["messages"][1]["content"] for b in system}) == 6  # a new user turn each request
+    assert [b.get("cache_prompt") for b in system] == [None] * 3 + [
+        True
+    ] * 3  # tpuserve's, then llama-server's
+    assert "| mixed load" in capsys.readouterr().out
 
 
 def test_servers_are_stopped_on_exit(tmp_path):
