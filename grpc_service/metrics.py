@@ -17,7 +17,7 @@ from tpuserve.grpc_service.jobs import FirstTokenTiming
 
 if TYPE_CHECKING:
     from tpuserve.grpc_service.orchestrator import Orchestrator
-    from tpuserve.sampler.api import Engine
+    from tpuserve.sampler.api import Engine, PageStats
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def compiles() -> tuple[int, float]:
 
 
 class _StateCollector:
-    """Queue depth, slots, KV-cache use and the prefix cache's counters, read when scraped."""
+    """Queue depth, slots, KV-cache use, the KV pool's pages and the prefix cache's counters, read when scraped."""
 
     def __init__(self, orchestrator: Orchestrator) -> None:
         self.orchestrator = orchestrator
@@ -68,9 +68,11 @@ class _StateCollector:
             "tpuserve_backend_active_slots", "Decode slots holding a sample.", value=active
         )
         yield GaugeMetricFamily("tpuserve_backend_slots", "Decode slots (batch size B).", value=slots)
+        pages = _page_stats(engine)
         yield GaugeMetricFamily(
             "tpuserve_backend_kv_cache_bytes",
-            "Device bytes of the KV cache (allocated once for all slots).",
+            "Device bytes of the KV cache, allocated once at start: the page pool all slots share (an engine "
+            "without pages: one block for all slots).",
             value=float(engine.capabilities.kv_cache_bytes),
         )
         yield GaugeMetricFamily(
@@ -80,8 +82,9 @@ class _StateCollector:
         )
         yield GaugeMetricFamily(
             "tpuserve_backend_kv_cache_positions",
-            "KV-cache positions: slots x max sequence length.",
-            value=slots * int(engine.max_seq_len),
+            "KV-cache positions: pages in the pool x positions per page (an engine without pages: slots x max "
+            "sequence length).",
+            value=pages.total * pages.page_tokens if pages is not None else slots * int(engine.max_seq_len),
         )
         yield GaugeMetricFamily(
             "tpuserve_backend_kv_cache_used_positions",
@@ -96,6 +99,55 @@ class _StateCollector:
             "tpuserve_backend_xla_compile_seconds", "Time spent in XLA backend compiles.", value=seconds
         )
         yield from _prefix_cache_metrics(engine)
+        if pages is not None:
+            yield from _page_metrics(pages)
+
+
+def _page_stats(engine: Engine) -> PageStats | None:
+    """engine.page_stats() (a snapshot); None for an engine without pages, or when it fails (a scrape still
+    reports everything else)."""
+    try:
+        return engine.page_stats()
+    except Exception:
+        log.exception("engine.page_stats() failed")
+        return None
+
+
+def _page_metrics(stats: PageStats):
+    """The KV pool's pages now and the preemptions since start. `used`, `shared` and `cached` overlap (a cached
+    page may be held, a shared page is used): they are not parts of `total`; `free` is what an allocation can
+    take."""
+    yield GaugeMetricFamily(
+        "tpuserve_backend_kv_page_tokens", "KV-cache positions per page of the pool.", value=stats.page_tokens
+    )
+    yield GaugeMetricFamily(
+        "tpuserve_backend_kv_pages", "Pages in the KV pool (shared by all slots).", value=stats.total
+    )
+    yield GaugeMetricFamily(
+        "tpuserve_backend_kv_pages_used",
+        "KV pages held now (by a prefill, a cached prefix in use or a slot).",
+        value=stats.used,
+    )
+    yield GaugeMetricFamily(
+        "tpuserve_backend_kv_pages_shared",
+        "KV pages held more than once now (a prefix read by several sequences).",
+        value=stats.shared,
+    )
+    yield GaugeMetricFamily(
+        "tpuserve_backend_kv_pages_cached",
+        "KV pages named by the prefix cache now (held or not).",
+        value=stats.cached,
+    )
+    yield GaugeMetricFamily(
+        "tpuserve_backend_kv_pages_free",
+        "KV pages an allocation can take now (free ones and cached ones nobody holds).",
+        value=stats.free,
+    )
+    yield CounterMetricFamily(  # prometheus_client appends the _total of a counter's sample
+        "tpuserve_backend_kv_preemptions",
+        "Sequences moved out of the KV pool to host memory to make room (each resumes where it stopped).",
+        value=stats.preemptions,
+    )
 
 
 def _prefix_cache_metrics(engine: Engine):

@@ -24,7 +24,29 @@ from tpuserve.sampler.config import EngineConfig
 if TYPE_CHECKING:
     from tpuserve.model.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
 request_log = logging.getLogger("tpuserve.backend.requests")
+
+
+def _page_counts(engine: Engine) -> pb.PageCounts | None:
+    """The KV pool's pages now (engine.page_stats(), a snapshot); None for an engine without pages, or when the
+    engine cannot say (GetModelInfo still answers: it carries the readiness)."""
+    try:
+        stats = engine.page_stats()
+    except Exception:
+        log.exception("engine.page_stats() failed")
+        return None
+    if stats is None:
+        return None
+    return pb.PageCounts(
+        page_tokens=stats.page_tokens,
+        total=stats.total,
+        used=stats.used,
+        shared=stats.shared,
+        cached=stats.cached,
+        free=stats.free,
+        preemptions=stats.preemptions,
+    )
 
 
 class _Record:
@@ -335,4 +357,5 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             weight_bytes=caps.weight_bytes,
             quantization=caps.quantization,
             num_processes=engine.num_processes,
+            pages=_page_counts(engine),
         )

@@ -199,10 +199,11 @@ def _add_service_routes(app: FastAPI, pool: BackendPool, metrics: GatewayMetrics
 
     @app.get("/health")
     async def health() -> Response:
-        """200 when a backend serves; 503 otherwise. Both say where each backend is (`readiness`)."""
-        serving, readiness = await asyncio.gather(pool.healthy(), pool.readiness())
+        """200 when a backend serves; 503 otherwise. Both say where each backend is (`readiness`); the 200 also
+        gives the KV pool's page counts of each backend that pages its KV cache (`pages`, {} when none does)."""
+        serving, (readiness, pages) = await asyncio.gather(pool.healthy(), pool.readiness())
         if serving:
-            return JSONResponse({"status": "ok", "backends": readiness})
+            return JSONResponse({"status": "ok", "backends": readiness, "pages": pages})
         detail = "; ".join(f"{address}: {state}" for address, state in readiness.items())
         error = APIError(
             503, f"No backend is serving ({detail}).", "server_error", None, "service_unavailable"

@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 
 INFO_TIMEOUT_S = 2.0
 HEALTH_TIMEOUT_S = 1.0
+# The KV pool's counts /health reports per backend (GetModelInfo.pages): positions per page, pages in the pool,
+# held, held more than once, named by the prefix cache, takeable; sequences preempted since start.
+PAGE_FIELDS = ("page_tokens", "total", "used", "shared", "cached", "free", "preemptions")
 _MAX_MESSAGE = 64 * 1024 * 1024
 # gRPC's default reconnect backoff grows to 120 s while a backend is down, so a restarted backend would wait
 # that long to be used again; cap it so a returning backend serves within about a second.
@@ -80,13 +83,15 @@ class Backend:
             log.warning("backend %s: GetModelInfo failed: %s", self.address, e.code().name)
         return self.info
 
-    async def readiness(self) -> str:
-        """The backend's own word on where it is ("warming up 7/24: ...", "serving"), or why it cannot say."""
+    async def readiness(self) -> tuple[str, dict[str, int] | None]:
+        """The backend's own word on where it is ("warming up 7/24: ...", "serving"), or why it cannot say; and
+        its KV pool's page counts (PAGE_FIELDS) when it pages its KV cache, else None. One GetModelInfo call."""
         try:
             info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=HEALTH_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
-            return f"unreachable ({e.code().name})"
-        return info.readiness or "unknown"
+            return f"unreachable ({e.code().name})", None
+        pages = {f: getattr(info.pages, f) for f in PAGE_FIELDS} if info.HasField("pages") else None
+        return info.readiness or "unknown", pages
 
     async def serving(self) -> bool:
         try:
@@ -129,10 +134,13 @@ class BackendPool:
     async def healthy(self) -> bool:
         return any(await asyncio.gather(*(b.serving() for b in self.backends)))
 
-    async def readiness(self) -> dict[str, str]:
-        """Backend address -> its readiness detail."""
-        details = await asyncio.gather(*(b.readiness() for b in self.backends))
-        return dict(zip((b.address for b in self.backends), details, strict=True))
+    async def readiness(self) -> tuple[dict[str, str], dict[str, dict[str, int]]]:
+        """Backend address -> its readiness detail; and address -> its KV pool's page counts, for the backends
+        that page their KV cache (and answered)."""
+        reports = await asyncio.gather(*(b.readiness() for b in self.backends))
+        details = {b.address: detail for b, (detail, _) in zip(self.backends, reports, strict=True)}
+        pages = {b.address: p for b, (_, p) in zip(self.backends, reports, strict=True) if p is not None}
+        return details, pages
 
     async def resolve(self, model: str) -> list[Backend]:
         """Backends serving `model`, rotated round-robin (the first is this request's choice)."""

@@ -134,7 +134,11 @@ def build(api_key: bool = False) -> dict[str, Any]:
             "get": {
                 "summary": "200 when a backend serves, else 503",
                 "responses": {
-                    "200": {"description": "Serving."},
+                    "200": {
+                        "description": "Serving: `{status: ok, backends: {address: readiness}, pages: {address: "
+                        "{page_tokens, total, used, shared, cached, free, preemptions}}}` (pages: the backends "
+                        "that page their KV cache)."
+                    },
                     **_errors(("503",)),
                 },
             }

@@ -10,6 +10,9 @@ cache_salt; a later prompt of the same salt gets `cached_tokens` = BLOCK x its l
 len - 1 tokens (the last one is always computed): the longest common prefix with an earlier prompt of that salt,
 rounded down to a block. Each stored block counts BLOCK_BYTES; over `prefix_cache_bytes` the least recently
 used blocks are evicted. Outputs never depend on the cache (the real engine's promise).
+
+Pages: `page_stats()` is `self.pages`, None (no paged KV cache) unless given (PAGES: fixed, plausible counts); a
+test may replace it between reads (the real engine's is a snapshot read from any thread).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from tpuserve.sampler.api import (
     MAX_TOP_LOGPROBS,
     Capabilities,
     Engine,
+    PageStats,
     Pending,
     PrefixCacheStats,
     PromptLogprobs,
@@ -36,6 +40,9 @@ from tpuserve.sampler.api import (
 K = MAX_TOP_LOGPROBS
 BLOCK = 4  # tokens per prefix-cache block
 BLOCK_BYTES = 64  # what one stored block counts in cached_bytes
+# A pool of 40 pages of 16 positions (640, not slots x max_seq_len of any test engine): 12 held (3 of them twice),
+# 7 named by the prefix cache (4 of those held), 28 an allocation can take (total - used); 2 preemptions so far.
+PAGES = PageStats(page_tokens=16, total=40, used=12, shared=3, cached=7, free=28, preemptions=2)
 
 
 def token_logprob(j: int) -> float:
@@ -76,6 +83,7 @@ class FakeEngine(Engine):
         delay_s: float = 0.0,
         prefill_chunk: int = 512,
         prefix_cache_bytes: int | None = 1 << 20,
+        pages: PageStats | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.slots = slots
@@ -105,6 +113,7 @@ class FakeEngine(Engine):
         self.together: list[list[list[int]]] = []  # the prompts of each prefill_together call
         self.open_prefills = 0  # prefill_steps iterators started and not yet finished or closed
         self.abandoned: list[list[int]] = []  # prompts whose prefill steps were closed before the prefix
+        self.pages = pages  # what page_stats() reports (None: no paged KV cache)
 
     # ---- hand-computable outputs -----------------------------------------------------------------------
 
@@ -165,6 +174,9 @@ class FakeEngine(Engine):
             capacity_bytes=self.prefix_cache_bytes,
             evictions=self.evictions,
         )
+
+    def page_stats(self) -> PageStats | None:
+        return self.pages
 
     # ---- Engine ---------------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Backend observability and limits over a real grpc.aio server (fake engine): the Prometheus metrics port
-(queue depth, active slots, KV cache, decode-call time, compiles, finish reasons, tokens), one JSON log line
-per Generate with the caller's request id and no prompt unless asked, and max_prompt_tokens."""
+(queue depth, active slots, KV cache and its pages, decode-call time, compiles, finish reasons, tokens), the
+pages in GetModelInfo, one JSON log line per Generate with the caller's request id and no prompt unless asked,
+and max_prompt_tokens."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, replace
 
 import grpc
 import httpx
@@ -19,7 +21,7 @@ from tpuserve.cli.jsonlog import JSONFormatter
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 
 from tests.grpc_service.conftest import ServerThread, generate
-from tests.grpc_service.fake_engine import make_engine
+from tests.grpc_service.fake_engine import PAGES, make_engine
 from tests.helpers import free_port
 
 SECRET = "my secret prompt about zebras"
@@ -229,6 +231,71 @@ def test_prefix_cache_metrics_are_absent_without_a_cache(tokenizer) -> None:
         assert out[-1].cached_prompt_tokens_count == 0
         names = scrape(server.server.metrics_port)
         assert "tpuserve_backend_slots" in names
-        assert not [n for n in names if n.startswith("tpuserve_prefix_cache")]
+        assert not [n for n in names if n.startswith("tpuserve_backend_prefix_cache")], sorted(names)
     finally:
         server.close()
+
+
+PAGE_GAUGES = {  # metric -> the PageStats field it reports
+    "tpuserve_backend_kv_page_tokens": "page_tokens",
+    "tpuserve_backend_kv_pages": "total",
+    "tpuserve_backend_kv_pages_used": "used",
+    "tpuserve_backend_kv_pages_shared": "shared",
+    "tpuserve_backend_kv_pages_cached": "cached",
+    "tpuserve_backend_kv_pages_free": "free",
+}
+
+
+def help_of(text: str, name: str) -> str:
+    return next(ln for ln in text.splitlines() if ln.startswith(f"# HELP {name} "))
+
+
+def test_page_metrics_and_model_info_follow_the_engine_pages(tokenizer) -> None:
+    """With a paged KV cache: a gauge per page count and a preemption counter, read at each scrape from
+    engine.page_stats(); kv_cache_positions is the pool's (pages x page tokens), not slots x max_seq_len; the
+    same counts in GetModelInfo.pages. A page_stats() that raises costs only the page metrics."""
+    engine = make_engine(tokenizer, slots=4, max_seq_len=256, steps_per_call=4, pages=PAGES)
+    server = ServerThread(engine, tokenizer, metrics_port=free_port())
+    port = server.server.metrics_port
+    info = lambda: server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+    try:
+        for stats in (PAGES, replace(PAGES, used=30, shared=5, cached=9, free=10, preemptions=7)):
+            engine.pages = stats
+            m = scrape(port)
+            for name, field in PAGE_GAUGES.items():
+                assert m[name] == getattr(stats, field), name
+            assert m["tpuserve_backend_kv_preemptions_total"] == stats.preemptions
+            assert (
+                m["tpuserve_backend_kv_cache_positions"] == stats.total * stats.page_tokens == 640 != 4 * 256
+            )
+            got = info()
+            assert got.HasField("pages") and got.pages == pb.PageCounts(**asdict(stats))
+            assert got.readiness == "serving"
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        for name in PAGE_GAUGES:
+            assert f"# TYPE {name} gauge" in text
+        assert "# TYPE tpuserve_backend_kv_preemptions_total counter" in text
+        assert "pool" in help_of(text, "tpuserve_backend_kv_cache_bytes")
+        assert "pages in the pool x positions per page" in help_of(
+            text, "tpuserve_backend_kv_cache_positions"
+        )
+
+        def broken():
+            raise RuntimeError("page table gone")
+
+        engine.page_stats = broken  # type: ignore[method-assign]
+        m = scrape(port)
+        assert m["tpuserve_backend_slots"] == 4 and m["tpuserve_backend_kv_cache_positions"] == 4 * 256
+        assert not [n for n in m if n.startswith(("tpuserve_backend_kv_page", "tpuserve_backend_kv_preempt"))]
+        got = info()
+        assert not got.HasField("pages") and got.readiness == "serving"
+    finally:
+        server.close()
+
+
+def test_page_metrics_are_absent_without_pages(observed: ServerThread) -> None:
+    assert observed.engine.page_stats() is None
+    m = scrape(observed.server.metrics_port)
+    assert m["tpuserve_backend_kv_cache_positions"] == 4 * 256  # slots x max_seq_len
+    assert not [n for n in m if n.startswith(("tpuserve_backend_kv_page", "tpuserve_backend_kv_preempt"))]
+    assert not observed.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5).HasField("pages")

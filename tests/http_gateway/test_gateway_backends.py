@@ -15,6 +15,7 @@ from gateway_checks import check_spec, post, strict_json
 from gateway_harness import GatewayServer, sse_events
 from scripted_backend import CREATED, MODEL_ID, ScriptedBackend, encode
 from tpuserve.cli.gateway import parse_args
+from tpuserve.http_gateway.backends import PAGE_FIELDS
 from tpuserve.http_gateway.observability import Limits
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 
@@ -50,6 +51,47 @@ def test_model_card_uses_backend_info(scripted_gateway) -> None:
 def test_health_is_200_when_a_backend_serves(gateway) -> None:
     r = gateway.http.get("/health")
     assert r.status_code == 200
+    body = r.json()
+    assert body["status"] == "ok" and len(body["backends"]) == 1
+    if gateway.kind == "scripted":  # its ModelInfo has no pages
+        assert body["pages"] == {}
+    else:  # the real engine pages its KV cache
+        [(address, pages)] = body["pages"].items()
+        assert address in body["backends"] and set(pages) == set(PAGE_FIELDS)
+        assert pages["page_tokens"] > 0 and pages["total"] > 0
+        assert pages["used"] <= pages["total"] and pages["free"] <= pages["total"]
+
+
+def test_health_gives_the_page_counts_of_each_paging_backend() -> None:
+    """/health's `pages`: address -> the backend's GetModelInfo.pages (its engine's page_stats() at the time),
+    for the backends that page their KV cache; one that does not is in `backends` only."""
+    from dataclasses import asdict, replace
+
+    from tpuserve.model.embedded import default_model_path
+    from tpuserve.model.tokenizer import load_tokenizer
+
+    from tests.grpc_service.conftest import ServerThread
+    from tests.grpc_service.fake_engine import PAGES, make_engine
+
+    tokenizer = load_tokenizer(default_model_path())
+    engine = make_engine(tokenizer, slots=2, max_seq_len=128, pages=PAGES)
+    paged = ServerThread(engine, tokenizer)
+    plain = ScriptedBackend().start()
+    server = GatewayServer([paged.address, plain.address]).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as http:
+            for stats in (PAGES, replace(PAGES, used=25, shared=6, free=15, preemptions=9)):
+                engine.pages = stats
+                r = http.get("/health")
+                assert r.status_code == 200
+                body = r.json()
+                assert body["status"] == "ok"
+                assert body["backends"] == {paged.address: "serving", plain.address: "unknown"}
+                assert body["pages"] == {paged.address: asdict(stats)}
+    finally:
+        server.stop()
+        plain.stop()
+        paged.close()
 
 
 def test_health_is_503_while_no_backend_reports_serving() -> None:

@@ -255,7 +255,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "context_length", "max_top_logprobs", "eos_token_ids", "dtype", "mesh_shape", "mesh_axes", "slots", "max_n", "created", "readiness", "weight_bytes", "quantization", "num_processes")
+    __slots__ = ("model_id", "vocab_size", "context_length", "max_top_logprobs", "eos_token_ids", "dtype", "mesh_shape", "mesh_axes", "slots", "max_n", "created", "readiness", "weight_bytes", "quantization", "num_processes", "pages")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +271,7 @@ class ModelInfo(_message.Message):
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     context_length: int
@@ -286,4 +287,23 @@ class ModelInfo(_message.Message):
     weight_bytes: int
     quantization: str
     num_processes: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_axes: _Optional[_Iterable[str]] = ..., slots: _Optional[int] = ..., max_n: _Optional[int] = ..., created: _Optional[int] = ..., readiness: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., num_processes: _Optional[int] = ...) -> None: ...
+    pages: PageCounts
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_axes: _Optional[_Iterable[str]] = ..., slots: _Optional[int] = ..., max_n: _Optional[int] = ..., created: _Optional[int] = ..., readiness: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., num_processes: _Optional[int] = ..., pages: _Optional[_Union[PageCounts, _Mapping]] = ...) -> None: ...
+
+class PageCounts(_message.Message):
+    __slots__ = ("page_tokens", "total", "used", "shared", "cached", "free", "preemptions")
+    PAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    page_tokens: int
+    total: int
+    used: int
+    shared: int
+    cached: int
+    free: int
+    preemptions: int
+    def __init__(self, page_tokens: _Optional[int] = ..., total: _Optional[int] = ..., used: _Optional[int] = ..., shared: _Optional[int] = ..., cached: _Optional[int] = ..., free: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...

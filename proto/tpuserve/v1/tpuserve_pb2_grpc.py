@@ -5,7 +5,7 @@ import warnings
 
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as tpuserve_dot_v1_dot_tpuserve__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
