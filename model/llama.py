@@ -20,12 +20,15 @@ The module's own layout (`module_params`) differs from that canonical one, for s
   over per-layer arrays: XLA:CPU copies the weight slice a scan body takes from a stacked array, so unrolled
   decodes ~20 % faster there, but compiles 3-6x longer (TPU/GPU read the slice in place).
 
-KV cache: `KVCache(k, v)`, each [L, B, Hkv, S, D]: layer, batch slot, kv head, position, head dim. A token at
-position p of slot b is written at [:, b, :, p]; a head's positions are contiguous, so attention reads keys and
-values without a transposing copy (this layout and the fused products make a CPU decode step of the embedded
-model on 8 rows about a sixth faster). Attention reads only the first `attend_len` positions (a static bucket
->= the longest live sequence), so a long capacity S costs nothing until it is used. Entries past a sequence's length
-are stale or garbage and are masked by position (key position <= query position).
+KV cache: pages. `KVCache(k, v, table)`: k, v each [L, P, Hkv, page, D] (layer, page, kv head, position in the page,
+head dim), one pool of P pages shared by every row, and `table` [B, pages] int32: row b's positions
+j*page..(j+1)*page-1 live in page table[b, j]. Page 0 is the null page: never written (a write that would land in
+it is dropped), so a table's unused entries read zeros. A token at position p of row b is written at
+[:, table[b, p // page], :, p % page]; a page holds a head's positions contiguously. Attention gathers a row's
+first `attend_len` positions (a static bucket >= the longest live sequence) into [B, Hkv, A, D] and computes what a
+contiguous cache would: XLA fuses the gather into the reads (measured on XLA:CPU: a decode step's attention costs
+about what it did over a dense per-row cache), and a row's result does not depend on which pages hold it. Entries
+past a sequence's length are stale or zeros and are masked by position (key position <= query position).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "w_up": ("layers", "mlp", "embed"),
     "w_down": ("layers", "embed", "mlp"),
 }
-CACHE_AXES = ("layers", "batch", "kv_heads", "sequence", None)
+CACHE_AXES = ("layers", None, "kv_heads", None, None)  # [L, P, Hkv, page, D]: pages are not rows
 
 # The module's layer parameters and their logical axes, per layer (a stacked module puts "layers" in front).
 BLOCK_AXES: dict[str, tuple[str | None, ...]] = {
@@ -76,8 +79,9 @@ TOP_PARAMS = ("embed", "final_norm", "lm_head")
 
 
 class KVCache(NamedTuple):
-    k: jax.Array  # [L, B, Hkv, S, D]
-    v: jax.Array  # [L, B, Hkv, S, D]
+    k: jax.Array  # [L, P, Hkv, page, D]
+    v: jax.Array  # [L, P, Hkv, page, D]
+    table: jax.Array  # [B, pages] int32: each row's pages in position order; 0 = none (the null page)
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -129,13 +133,38 @@ def module_params(cfg: ModelConfig, params: dict[str, jax.Array], scan_layers: b
     return out
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+def init_pages(
+    cfg: ModelConfig, pages: int, page: int, dtype: jnp.dtype = jnp.float32
+) -> tuple[jax.Array, jax.Array]:
+    """A pool of `pages` pages (page 0, the null page, included), zeros: (k, v)."""
+    shape = (cfg.num_layers, pages, cfg.num_kv_heads, page, cfg.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def init_cache(
+    cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32, page: int = 16
+) -> KVCache:
+    """A cache of `batch` rows of `max_len` positions, each row on pages of its own in order (a contiguous cache
+    on pages: what a test or a one-off forward needs)."""
+    per_row = -(-max_len // page)
+    k, v = init_pages(cfg, 1 + batch * per_row, page, dtype)
+    table = 1 + jnp.arange(batch * per_row, dtype=jnp.int32).reshape(batch, per_row)
+    return KVCache(k, v, table)
 
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> int:
+    """Bytes of keys and values for `batch` x `max_len` positions."""
     return 2 * cfg.num_layers * batch * max_len * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def gather_pages(pages: jax.Array, li: Any, table: jax.Array, attend_len: int) -> jax.Array:
+    """Layer li's first `attend_len` positions of each row, [B, Hkv, A, D], from pages [L, P, Hkv, page, D] through
+    table [B, >= A / page] (one gather from the whole pool: a scan's layer index never copies a layer)."""
+    B, page = table.shape[0], pages.shape[3]
+    n = -(-attend_len // page)
+    got = pages[li, table[:, :n]]  # [B, n, Hkv, page, D]
+    got = got.transpose(0, 2, 1, 3, 4).reshape(B, pages.shape[2], n * page, pages.shape[4])
+    return got[:, :, :attend_len]
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -224,12 +253,14 @@ class Llama(nnx.Module):
         cache: KVCache,
         attend_len: int,
         live_rows: int | None = None,
+        write: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
-        """tokens, positions: [B, T] int32 (contiguous positions per row) for cache rows 0..B-1 (the cache may
-        hold more rows: decode runs on the smallest batch bucket that covers the live slots).
+        """tokens, positions: [B, T] int32 (contiguous positions per row) for the cache's table rows 0..B-1 (the
+        table may hold more rows: decode runs on the smallest batch bucket that covers the live slots).
 
-        Writes the T new keys/values at their positions, attends over the first `attend_len` (static) cached
-        positions, and returns the final hidden states [B, T, H] (apply `logits` where needed) and the cache.
+        Writes the T new keys/values at their positions (only where `write` [B, T] is set, if given; never into
+        the null page nor past the table), attends over the first `attend_len` (static, a multiple of the page
+        size in serving) positions, and returns the final hidden states [B, T, H] (apply `logits` where needed) and the cache.
         `live_rows` (static): only rows 0..live_rows-1 matter; the weight products skip the others (zeros), while
         every other operation still sees B rows (see sampler.programs.decode_program: XLA:CPU rounds the norms,
         rotary embedding and softmax of fewer than 8 rows differently, its products do not).
@@ -240,7 +271,15 @@ class Llama(nnx.Module):
         G = Hq // Hkv
         x = take_rows(self.embed.get_value(), tokens)
         inv_freq = self.inv_freq[...]
-        rows = jnp.arange(B)[:, None]
+        P, page = cache.k.shape[1], cache.k.shape[3]
+        table = cache.table
+        slot = jnp.clip(positions // page, 0, table.shape[1] - 1)
+        where = jnp.take_along_axis(table[:B], slot, axis=1)  # [B, T]: each new token's page
+        ok = (where != 0) & (positions >= 0) & (positions < table.shape[1] * page)
+        if write is not None:
+            ok &= write
+        where = jnp.where(ok, where, P)  # out of range: the write is dropped
+        offset = positions % page
         key_pos = jnp.arange(attend_len)
         mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, A]
         if cfg.sliding_window:  # and no further back than the window (the cache still holds every position)
@@ -261,11 +300,11 @@ class Llama(nnx.Module):
             q = rope(qkv[:, :, :, :G].reshape(B, T, Hq, D), positions, inv_freq)
             k = rope(qkv[:, :, :, G], positions, inv_freq)
             v = qkv[:, :, :, G + 1]
-            # [B, T, Hkv, D] written at [li, b, :, p]
-            k_cache = k_cache.at[li, rows, :, positions].set(k.astype(k_cache.dtype), mode="drop")
-            v_cache = v_cache.at[li, rows, :, positions].set(v.astype(v_cache.dtype), mode="drop")
-            keys = k_cache[li, :B, :, :attend_len]  # [B, Hkv, A, D]: the first B rows (a batch bucket)
-            vals = v_cache[li, :B, :, :attend_len]
+            # [B, T, Hkv, D] written at [li, page, :, offset]
+            k_cache = k_cache.at[li, where, :, offset].set(k.astype(k_cache.dtype), mode="drop")
+            v_cache = v_cache.at[li, where, :, offset].set(v.astype(v_cache.dtype), mode="drop")
+            keys = gather_pages(k_cache, li, table[:B], attend_len)  # [B, Hkv, A, D]: the first B rows
+            vals = gather_pages(v_cache, li, table[:B], attend_len)
             qg = q.reshape(B, T, Hkv, G, D)
             if reduce_scores:  # [B, Hkv, G, 1, D] x [B, Hkv, 1, A, D] summed over D -> [B, Hkv, G, T=1, A]
                 qk = qg[:, 0, :, :, None, :].astype(jnp.float32) * keys[:, :, None].astype(jnp.float32)
@@ -305,7 +344,7 @@ class Llama(nnx.Module):
             for li, layer in enumerate(self.layers):
                 x, k_cache, v_cache = block(x, k_cache, v_cache, li, layer.arrays())
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-        return x, KVCache(k_cache, v_cache)
+        return x, KVCache(k_cache, v_cache, table)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden: [..., H] -> fp32 logits [..., V]."""

@@ -88,9 +88,8 @@ def module_shardings(
     return out
 
 
-def cache_sharding(
-    cfg: ModelConfig, mesh: Mesh, slots: int, max_len: int, rules: ShardingRules | None = None
-):
+def cache_sharding(cfg: ModelConfig, mesh: Mesh, pages: int, page: int, rules: ShardingRules | None = None):
+    """Where a pool of `pages` pages of `page` positions lives on the mesh (split over KV heads)."""
     rules = rules or ShardingRules()
-    shape = (cfg.num_layers, slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+    shape = (cfg.num_layers, pages, cfg.num_kv_heads, page, cfg.head_dim)
     return NamedSharding(mesh, rules.spec(mesh, CACHE_AXES, shape))

@@ -114,6 +114,20 @@ class PrefixCacheStats:
 
 
 @dataclass(frozen=True)
+class PageStats:
+    """The KV pool's pages now (and preemptions since start): `free` counts pages an allocation can take (free ones
+    and cached ones nobody holds); `shared`, pages held more than once (a prefix read by several sequences)."""
+
+    page_tokens: int = 0  # positions per page
+    total: int = 0
+    used: int = 0  # held by a prefill, a prefix or a slot
+    shared: int = 0
+    cached: int = 0  # named by the prefix cache (held or not)
+    free: int = 0
+    preemptions: int = 0  # sequences moved to host memory to make room (they resume where they stopped)
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What an engine can do and what it holds, declared by the engine: the service reads this and never probes
     the engine's attributes. The defaults describe an engine of none of these (a test double)."""
@@ -122,7 +136,7 @@ class Capabilities:
     dtype: str = ""  # the KV cache's dtype
     mesh: tuple[tuple[str, int], ...] = ()  # (axis name, size) of the device mesh; () on one device
     weight_bytes: int = 0  # device bytes of the weights as the programs hold them
-    kv_cache_bytes: int = 0  # device bytes of the decode KV cache
+    kv_cache_bytes: int = 0  # device bytes of the KV pool
     quantization: str = ""  # how the weights are held (model.quant), "" when not said
 
 
@@ -181,6 +195,21 @@ class Engine(abc.ABC):
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
         """None when the engine has no prefix cache (or it is off). Read from any thread (a snapshot)."""
         return None
+
+    def page_stats(self) -> PageStats | None:
+        """None when the engine does not page its KV cache. Read from any thread (a snapshot)."""
+        return None
+
+    def admits(self, prompt_len: int, samples: int) -> bool:
+        """Whether a request of `samples` samples and a prompt within `max_prompt_len` may start its prefill now
+        (`prefill_steps` takes the prompt's KV room when called): the room must be there, and sequences moved out
+        to make room come back first."""
+        return True
+
+    @property
+    def max_prompt_len(self) -> int:
+        """The longest prompt the engine can hold (its context, or its whole pool if smaller)."""
+        return self.max_seq_len
 
     def next_call_steps(self) -> int:
         """Steps the next decode call will make (its output's N): steps_per_call unless the engine varies it

@@ -9,6 +9,12 @@ from dataclasses import dataclass
 from tpuserve.sampler.config import EngineConfig
 
 MIN_BATCH_BUCKET = 2  # one row takes another kernel (a matrix-vector product) that rounds differently
+# The smallest chunk whose positions' results do not depend on the chunk: on XLA:CPU a chunk of 64 or more
+# positions computes each position's keys, values and hidden state with the same arithmetic whatever the chunk's
+# start, size (64, 128, 256) or attended length, while chunks of 16 or 32 round differently (measured; the prefix
+# cache's tests check it). So a prompt whose pages can be shared is prefilled in chunks of at least this many
+# positions, from any position; a prompt short enough for a smaller chunk neither reads nor names cached pages.
+SHARED_CHUNK = 64
 
 
 def power_of_two_buckets(smallest: int, largest: int) -> list[int]:
@@ -30,12 +36,18 @@ def bucket_for(n: int, buckets: list[int]) -> int:
 class Buckets:
     """Every shape of an engine's programs, from its EngineConfig."""
 
-    chunk: int  # C: prompts are prefilled in chunks of C tokens that start at multiples of C
+    chunk: int  # C: prompts are prefilled in chunks of at most C tokens
     max_seq_len: int
-    chunk_sizes: list[int]  # a prompt's last, partial chunk is padded to one of these
+    chunk_sizes: list[int]  # a chunk is padded to one of these (>= SHARED_CHUNK unless the prompt is small)
     attend: list[int]  # attended lengths (a call attends over the smallest that covers its longest sequence)
     batch: list[int]  # decode rows (the smallest that covers the occupied slots)
     call_steps: dict[int, int]  # batch rows -> the steps a decode call makes on them
+
+    @property
+    def small_prompt(self) -> int:
+        """Prompts of up to this many tokens are one chunk smaller than SHARED_CHUNK: their pages are not shared."""
+        small = [s for s in self.chunk_sizes if s < SHARED_CHUNK]
+        return self.max_seq_len if len(small) == len(self.chunk_sizes) else max(small, default=0)
 
     @classmethod
     def of(cls, cfg: EngineConfig) -> Buckets:
@@ -58,19 +70,33 @@ class Buckets:
 
     def chunk_plan(self, n: int, first: int = 0) -> list[tuple[int, int, int, int]]:
         """(start, real tokens, padded size, attended length) of each chunk of an n-token prompt from position
-        `first` (a multiple of C): a function of n alone for the positions it covers, so cached and computed
-        blocks meet the same programs."""
-        C, plan = self.chunk, []
-        for start in range(first, n, C):
-            real = min(C, n - start)
-            size = bucket_for(real, self.chunk_sizes)
+        `first`: chunks of C, padded to at least SHARED_CHUNK unless the whole prompt is small."""
+        sizes = self.chunk_sizes
+        if n > self.small_prompt:
+            sizes = [s for s in sizes if s >= SHARED_CHUNK]
+        plan = []
+        for start in range(first, n, self.chunk):
+            real = min(self.chunk, n - start)
+            size = bucket_for(real, sizes)
             plan.append((start, real, size, bucket_for(min(start + size, self.max_seq_len), self.attend)))
         return plan
+
+    def chunk_shapes(self) -> set[tuple[int, int]]:
+        """(padded size, attended length) of every chunk a prompt can meet, from any first position."""
+        shapes = {
+            (size, bucket_for(size, self.attend)) for size in self.chunk_sizes if size <= self.small_prompt
+        }
+        for size in self.chunk_sizes:
+            if size > self.small_prompt or self.small_prompt == self.max_seq_len:
+                shapes |= {(size, bucket_for(min(start + size, self.max_seq_len), self.attend))
+                           for start in range(self.max_seq_len)}  # fmt: skip
+        return shapes
 
     def together_shapes(self) -> list[tuple[int, int]]:
         """(rows, padded size) of every program that prefills several short prompts at once: prompts padded to
         one size bucket, at most C rows of tokens in all, 2, 4, ... prompts (a short prompt fills few rows of a
-        product, so one program over several costs less than one each)."""
+        product, so one program over several costs less than one each); only small prompts (a prompt whose pages
+        can be shared is prefilled alone, in chunks of at least SHARED_CHUNK)."""
         C = self.chunk
-        return [(rows, size) for size in self.chunk_sizes if C // size >= 2
+        return [(rows, size) for size in self.chunk_sizes if C // size >= 2 and size <= self.small_prompt
                 for rows in power_of_two_buckets(2, C // size)]  # fmt: skip

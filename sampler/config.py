@@ -19,7 +19,19 @@ class EngineConfig:
     # keep for a GGUF file, chosen by measurement; the checkpoint's own for Orbax; none for safetensors).
     quantization: str | None = None
     slots: int = 64  # B: decode batch (64 users at once; one user decodes on the smallest batch bucket)
-    max_seq_len: int = 512  # S: prompt + generated tokens per sample
+    max_seq_len: int | None = (
+        None  # S: prompt + generated tokens per sample; null: the model's trained context
+    )
+    # The KV cache is one pool of pages shared by every slot: a sequence holds the pages its tokens fill, so
+    # memory follows the tokens held, not slots x max_seq_len. Pages of 16 positions: the prefix cache shares
+    # prompts page by page (a shared system prompt of 60 tokens shares 48), and a decode step's attention costs
+    # the same with pages of 16, 32 or 64 (measured on XLA:CPU; docs/engine.md).
+    kv_page_size: int = 16
+    # The pool's size: kv_pages pages if set, else kv_cache_bytes, else a share of device memory (a sixteenth of
+    # a CPU host's RAM; on an accelerator 80 % of what the weights leave), never more than every slot could fill
+    # (and one prompt more).
+    kv_pages: int | None = None
+    kv_cache_bytes: int | None = None
     steps_per_call: int = 8  # N: fused decode steps per decode call on buckets of up to steps_per_call_rows
     # Buckets larger than steps_per_call_rows make fewer steps per call (rows x steps stays N x steps_per_call_rows;
     # 64 rows: 1 step), so a request arriving under load waits for a short call; this is the floor
@@ -28,9 +40,11 @@ class EngineConfig:
     # The rows up to which a call makes N steps (an 8-row step costs little more than a 2-row one). null: the
     # smallest batch bucket.
     steps_per_call_rows: int | None = 8
-    min_prefill_bucket: int = 16  # the last, partial chunk of a prompt: padded to a power of two >= this
-    # C: prompts are prefilled in chunks of C tokens at multiples of C, the prefix cache's blocks; a running
-    # stream waits at most about one chunk of someone else's prefill
+    # a prompt shorter than 64 tokens is padded to a power of two >= this (longer prompts' chunks to >= 64 tokens,
+    # what lets their pages be shared: sampler/programs.py)
+    min_prefill_bucket: int = 16
+    # C: prompts are prefilled in chunks of at most C tokens; a running stream waits at most about one chunk of
+    # someone else's prefill
     prefill_chunk: int = 128
     # prompt tokens (padded chunks) prefilled per engine turn while streams decode (null: one chunk): a running
     # stream waits for about this much of other requests' prefill between two decode calls
@@ -45,11 +59,11 @@ class EngineConfig:
     # times longer; on an accelerator unrolled decodes up to ~2x faster (a Llama-3-8B-shaped model on one GPU) and
     # compiles ~2x longer. null: scanned on CPU, unrolled on GPU/TPU.
     scan_layers: bool | None = None
-    # Prefix cache (device-resident, blocks of prefill_chunk tokens, least recently used evicted): a prompt
-    # that starts with blocks an earlier one computed (same cache_salt) loads them instead of computing them.
-    # Results are bit-identical with the cache cold or warm (tests/sampler/test_prefix_cache.py).
+    # Prefix cache: full prompt pages are named by their tokens (and cache_salt) and shared by reference; a prompt
+    # that starts with pages an earlier one computed reads them instead of computing them. Pages nobody holds
+    # stay cached until their room is needed (least recently let go first). Results are bit-identical with the
+    # cache cold or warm (tests/sampler/test_prefix_cache.py).
     prefix_cache: bool = True
-    prefix_cache_bytes: int | None = None  # null: half the KV cache's size, at most a tenth of device memory
     processed_logprobs: bool = False  # raw logprobs (OpenAI's at temperature 0) unless set
     model_parallel: int = 1  # mesh "model" axis size (heads / MLP / KV heads)
     data_parallel: int = 1  # mesh "data" axis size (slots)

@@ -1,5 +1,12 @@
 """JaxEngine: the real engine behind `sampler.api.Engine` — continuous batching over B slots with static shapes.
 
+Keys and values live in one pool of pages (model/llama.py) shared by every slot; the host hands pages out
+(sampler/pages.py): a prompt takes its pages when its prefill starts (the service admits it when they are there,
+`admits`), a decode call takes the pages its steps will fill, and a released slot lets its pages go. Full prompt
+pages are named and shared by the prefix cache. When running sequences need a page and none is left, the one
+inserted last is moved to host memory (its pages copied out, exactly) and paused; it comes back, bit for bit,
+before any new request starts.
+
 Decode runs on the smallest batch bucket (power of two, at least 2 rows) that covers the occupied slots, and
 attends over the smallest length bucket that covers the longest sequence, so its cost follows the live load. A
 request's tokens and logprobs do not depend on the bucket (see model/llama.py on the [out, in] weight layout).
@@ -14,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import weakref
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
@@ -23,15 +31,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
-from tpuserve.model.llama import cache_bytes
+from tpuserve.model.llama import cache_bytes, init_pages
 from tpuserve.model.loader import LoadedModel
 from tpuserve.model.quant import tree_nbytes
-from tpuserve.model.sharding import DEFAULT_RULES, ShardingRules, cache_sharding
+from tpuserve.model.sharding import cache_sharding
 from tpuserve.sampler import warmup
 from tpuserve.sampler.api import (
     MAX_TOP_LOGPROBS,
     Capabilities,
     Engine,
+    PageStats,
     Pending,
     PrefixCacheStats,
     PromptLogprobs,
@@ -39,10 +48,10 @@ from tpuserve.sampler.api import (
     StepArrays,
     TokenOut,
 )
-from tpuserve.sampler.buckets import Buckets, bucket_for
+from tpuserve.sampler.buckets import SHARED_CHUNK, Buckets, bucket_for
 from tpuserve.sampler.config import EngineConfig
-from tpuserve.sampler.prefix_cache import PrefixIndex
-from tpuserve.sampler.programs import Pool, ProgramConfig, build_programs, init_pool, pool_block_bytes
+from tpuserve.sampler.pages import PageLogprobs, Pages, PromptParts
+from tpuserve.sampler.programs import SWAP_PAGES, Pool, ProgramConfig, build_programs
 from tpuserve.sampler.state import init_decode_state, slot_sampling
 
 log = logging.getLogger(__name__)
@@ -50,8 +59,14 @@ log = logging.getLogger(__name__)
 # XLA:CPU rounds a decode step's norms, rotary embedding, softmax and sampling of 2 or 4 rows differently from 8 or
 # more (its products are the same from 2 rows up): smaller buckets run those on 8 rows (ProgramConfig).
 INVARIANT_ROWS = 8
-# a prefix and the pool's blocks are split over KV heads only (a prefix has one row; blocks are not slots)
-PREFIX_RULES = ShardingRules({**DEFAULT_RULES, "batch": None})
+# Rows that need an attended length at most 1/SPLIT_ATTEND of the longest row's decode in a call of their own: a
+# second call costs its weight products again (tens of milliseconds a step here), while attending 64 rows over
+# 4x the positions they need costs more from about 512 positions on (measured per layer: 64 rows x 128
+# positions 2 ms, x 1024 44 ms).
+SPLIT_ATTEND = 4
+# The pool's default size (EngineConfig.kv_cache_bytes): a share of the device's memory.
+CPU_KV_SHARE = 1 / 16  # of a CPU host's RAM, which everything else shares too
+ACCELERATOR_KV_SHARE = 0.8  # of what the weights leave on an accelerator
 
 
 def device_memory_bytes() -> int:
@@ -62,20 +77,34 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-@dataclass
+@dataclass(eq=False)
 class Prefix:
-    cache: object  # KVCache [L, 1, Hkv, S, D] on the device
+    """A prefilled prompt: the pages holding its keys and values (held until the prefix is let go), the last
+    token's logits, and its prompt logprobs when asked for."""
+
+    pages: list[int]
     last_logits: jax.Array  # [V]
     prompt_len: int
-    # prompt logprobs, part by part (cached blocks, then each chunk): (entries, device arrays (logprobs [>= m],
-    # top_ids [>= m, K], top_logprobs [>= m, K])), of which the first `entries` belong to the prompt
-    prompt: list[tuple[int, tuple]] | None
+    prompt: PromptParts | None
     cached_tokens: int = 0  # leading prompt tokens whose KV came from the prefix cache
+
+
+class NoRoom(RuntimeError):
+    """The pool has no room for a prompt's pages now (the service asks `admits` first)."""
+
+
+@dataclass
+class Paused:
+    """A sequence moved out of the pool: its pages' keys and values on the host, SWAP_PAGES at a time."""
+
+    pages: int
+    kv: list[tuple[np.ndarray, np.ndarray]]
 
 
 def _host_copy(tree) -> None:
     for leaf in jax.tree.leaves(tree):
-        leaf.copy_to_host_async()
+        if isinstance(leaf, jax.Array):  # a cached page's logprobs are on the host already
+            leaf.copy_to_host_async()
 
 
 class JaxEngine(Engine):
@@ -92,6 +121,8 @@ class JaxEngine(Engine):
         model's own settings (model, dtype, quantization) are `loaded`'s, the service's (queue, limits) unused.
         `cache_dtype`: the KV cache's dtype (default: the model's)."""
         cfg = dataclasses.replace(config or EngineConfig(), **settings)
+        if cfg.max_seq_len is None:  # the model's trained context
+            cfg = dataclasses.replace(cfg, max_seq_len=loaded.config.max_position_embeddings)
         self.settings = cfg
         self.config = loaded.config
         self.slots = slots = cfg.slots
@@ -116,19 +147,48 @@ class JaxEngine(Engine):
         self.graphdef, self.params = nnx.split(module)  # split once; programs merge inside jit
         dtype = jnp.dtype(cache_dtype) if cache_dtype else module.dtype
         self.cache_dtype = dtype
-        self.kv_cache_bytes = cache_bytes(loaded.config, slots, max_seq_len, dtype)
         self.mesh = mesh
-        self.state = self._place(init_decode_state(loaded.config, slots, max_seq_len, dtype))
+        # the pool of pages
+        self.page = page = cfg.kv_page_size
+        self.max_pages = -(-max_seq_len // page)  # a page table's width
+        page_bytes = cache_bytes(loaded.config, 1, page, dtype)
+        total = cfg.kv_pages
+        if total is None:
+            budget = cfg.kv_cache_bytes
+            if budget is None:
+                memory = device_memory_bytes()
+                if jax.default_backend() == "cpu":
+                    budget = int(memory * CPU_KV_SHARE)
+                else:  # the mesh's memory beside the weights (a pool replicated over devices overcounts)
+                    devices = mesh.size if mesh is not None else 1
+                    budget = int((memory * devices - self.weight_bytes) * ACCELERATOR_KV_SHARE)
+            # never more than every slot could fill, and a prompt being prefilled beside them
+            total = min(budget // page_bytes, (slots + 1) * self.max_pages)
+        if total < 2:
+            raise ValueError(f"a KV pool of {total} pages of {page} positions holds no sequence")
+        self.kv_cache_bytes = (total + 1) * page_bytes
+        self.pool = self._place_pool(Pool(*init_pages(loaded.config, total + 1, page, dtype)))
+        shared = cfg.prefix_cache and self.shapes.small_prompt < max_seq_len
+        if cfg.prefix_cache and not shared:
+            log.info("prefix cache: off (prefill_chunk %d < %d: no chunk computes a page as any other would)",
+                     self.prefill_chunk, SHARED_CHUNK)  # fmt: skip
+        self.pages = Pages(total, page, page_bytes, prefix_cache=shared)
+        # each slot's pages in position order ([slots, max_pages], 0 = none), on the host; its device copy is
+        # put again when it changed
+        # row `slots` is the scratch row: a decode call's padding entries name it (inactive, no pages)
+        self.table = np.zeros((slots + 1, self.max_pages), np.int32)
+        self._table_device = None
+        self._slot_pages: list[list[int]] = [[] for _ in range(slots)]
+        self._paused: dict[int, Paused] = {}  # slot -> its sequence on the host, oldest first
+        self._paused_device = None
+        self._inserted = np.zeros(slots, np.int64)  # when each slot's sample came in (preempted: the latest)
+        self._insertions = 0
+        self.state = self._place_replicated(init_decode_state(slots + 1))
+        self.invariant_rows = INVARIANT_ROWS if jax.default_backend() == "cpu" else 0
         program_cfg = ProgramConfig(K=MAX_TOP_LOGPROBS, chunk=self.prefill_chunk, max_seq_len=max_seq_len,
                                     processed_logprobs=cfg.processed_logprobs,
-                                    invariant_rows=INVARIANT_ROWS if jax.default_backend() == "cpu" else 0)  # fmt: skip
-        self.prefix_dtype = module.dtype
-        self.programs = build_programs(
-            self.graphdef, program_cfg, self.config, self.prefix_dtype, self._prefix_sharding()
-        )
-        self.pool, self.index = None, None
-        if cfg.prefix_cache:
-            self._init_prefix_cache(cfg.prefix_cache_bytes)
+                                    invariant_rows=self.invariant_rows)  # fmt: skip
+        self.programs = build_programs(self.graphdef, program_cfg)
         self.capabilities = Capabilities(
             structured_outputs=True,
             dtype=str(dtype),
@@ -142,116 +202,99 @@ class JaxEngine(Engine):
         self._occupied = np.zeros(slots, bool)
         self._length_bound = np.zeros(slots, np.int64)
         # Structured outputs: each slot's token bitmask for its next token (all ones = free), set by `constrain`.
-        self._allowed = np.full((slots, self.mask_words), -1, np.int32)
+        self._allowed = np.full((slots + 1, self.mask_words), -1, np.int32)
         self._constrained = np.zeros(slots, bool)
-        self._free_masks = self._place_replicated(np.full((slots, self.mask_words), -1, np.int32))
+        self._free_masks = self._place_replicated(np.full((slots + 1, self.mask_words), -1, np.int32))
         self._free_row = np.full(self.mask_words, -1, np.int32)
         log.info("weights: %s, quantization %s, %.1f MiB in memory", loaded.model_id, self.quantization,
                  self.weight_bytes / 2**20)  # fmt: skip
-        log.info("KV cache: %d slots x %d positions, %s, %.1f MiB", slots, max_seq_len, dtype.name,
-                 self.kv_cache_bytes / 2**20)  # fmt: skip
+        log.info("KV cache: %d pages of %d positions (%d tokens), %s, %.1f MiB; %d slots x up to %d positions",
+                 total, page, total * page, dtype.name, self.kv_cache_bytes / 2**20, slots, max_seq_len)  # fmt: skip
 
-    def _prefix_sharding(self):
+    @property
+    def max_prompt_len(self) -> int:
+        # a prompt must fit the pool beside one page for its first sample's own last page
+        return min(self.max_seq_len, (self.pages.total - 1) * self.page)
+
+    def _place_pool(self, pool: Pool) -> Pool:
         if self.mesh is None:
-            return None
-        return cache_sharding(self.config, self.mesh, 1, self.max_seq_len, PREFIX_RULES)
-
-    def _init_prefix_cache(self, budget: int | None) -> None:
-        C, K = self.prefill_chunk, MAX_TOP_LOGPROBS
-        block_bytes = pool_block_bytes(self.config, C, K, self.prefix_dtype)
-        if budget is None:  # half the decode KV cache's size, at most a tenth of the device's memory
-            budget = min(self.kv_cache_bytes // 2, device_memory_bytes() // 10)
-        blocks = budget // block_bytes
-        if blocks < 1:
-            log.info("prefix cache: off (a %d-byte budget holds no %d-token block of %d bytes)", budget, C,
-                     block_bytes)  # fmt: skip
-            return
-        pool = init_pool(self.config, blocks, C, K, self.prefix_dtype)
-        if self.mesh is not None:  # KV split over KV heads like the KV cache; logprobs replicated
-            replicated = NamedSharding(self.mesh, PartitionSpec())
-            kv = cache_sharding(self.config, self.mesh, blocks, C, PREFIX_RULES)
-            pool = jax.device_put(pool, Pool(kv, kv, *(replicated,) * 4))
-        self.pool = pool
-        self.index = PrefixIndex(blocks, C, block_bytes)
-        log.info("prefix cache: %d blocks of %d tokens, %.1f MiB", blocks, C, blocks * block_bytes / 2**20)
+            return jax.device_put(pool)
+        kv = cache_sharding(self.config, self.mesh, pool.k.shape[1], self.page)  # split over KV heads
+        return jax.device_put(pool, Pool(kv, kv))
 
     def _place_replicated(self, array):
         if self.mesh is None:
             return jax.device_put(array)
         return jax.device_put(array, NamedSharding(self.mesh, PartitionSpec()))
 
-    def _place(self, state):
-        if self.mesh is None:
-            return state
-        replicated = NamedSharding(self.mesh, PartitionSpec())  # the small per-slot arrays
-        kv = cache_sharding(self.config, self.mesh, self.slots, self.max_seq_len)
-        shardings = jax.tree.map(lambda _: replicated, state)
-        shardings = shardings.replace(cache=type(state.cache)(kv, kv))
-        return jax.device_put(state, shardings)
-
     # -- Engine API ---------------------------------------------------------------------------------------------
     def prefill_steps(
         self, tokens: list[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None
     ) -> Generator[Prefix | None, None, None]:
-        """Dispatch the prompt chunk by chunk: each `next()` queues one chunk (None) until the last yields the
-        Prefix. Chunks start at multiples of C; leading blocks found in the prefix cache are loaded instead of
-        computed (never the last token's: its logits are needed), and each full block computed is cached."""
-        n = len(tokens)
-        if not 0 < n <= self.max_seq_len:
-            raise ValueError(f"prompt of {n} tokens: must be 1..{self.max_seq_len}")
-        C, p, index = self.prefill_chunk, self.programs, self.index
-        keys = index.keys(tokens, cache_salt) if index is not None else []
-        hits = index.lookup(keys[: (n - 1) // C], n, want_prompt_logprobs) if index is not None else []
+        """Take the prompt's pages now (leading pages found in the prefix cache are shared, never the last
+        token's: its logits are needed), then dispatch the rest chunk by chunk: each `next()` queues one chunk
+        (None) until the last yields the Prefix. After a cache hit the first chunk starts one position early and
+        writes nothing there: that position's logits give the first uncached token's logprob. Each full page
+        computed is named in the prefix cache. NoRoom when the pool cannot hold the prompt now."""
+        n, page, pages = len(tokens), self.page, self.pages
+        if not 0 < n <= self.max_prompt_len:
+            raise ValueError(f"prompt of {n} tokens: must be 1..{self.max_prompt_len}")
+        shared = n > self.shapes.small_prompt
+        keys = pages.keys(tokens, cache_salt) if shared else []
+        hits = pages.lookup(keys[: (n - 1) // page], n, want_prompt_logprobs) if pages.prefix_cache else []
+        own = pages.allocate(-(-n // page) - len(hits))
+        if own is None:
+            pages.let_go([h.id for h in hits])
+            raise NoRoom(
+                f"no room for a prompt of {n} tokens: {pages.available()} of {pages.total} pages free"
+            )
+        steps = self._prefill_chunks(tokens, [h.id for h in hits] + own, hits, keys, want_prompt_logprobs)
+        next(steps)  # started: closing it from now on lets go of the pages
+        return steps
+
+    def _prefill_chunks(self, tokens, row: list[int], hits, keys, want: bool):
+        n, page, p, pages = len(tokens), self.page, self.programs, self.pages
+        done = False
         try:
-            padded = np.zeros(-(-n // C) * C + 1, np.int32)  # + 1: the target after the last position
+            yield None  # the start (`prefill_steps`)
+            table = np.zeros(self.max_pages, np.int32)
+            table[: len(row)] = row
+            table = self._place_replicated(table)
+            cached = len(hits) * page
+            padded = np.zeros(n + self.prefill_chunk + 1, np.int32)  # + 1: the target after the last position
             padded[:n] = tokens
-            prompt = [] if want_prompt_logprobs else None
-            if hits:
-                blocks = np.zeros(self.max_seq_len // C, np.int32)
-                blocks[: len(hits)] = [b.id for b in hits]
-                cache = p.load(self.pool, blocks, np.int32(len(hits)))
-                if want_prompt_logprobs:
-                    targets = np.zeros_like(blocks)
-                    targets[: len(hits)] = padded[C : (len(hits) + 1) * C : C]
-                    prompt.append((len(hits) * C, p.cached_logprobs(self.pool, blocks, targets)))
-            else:
-                cache = p.fresh()
-            for start, real, size, attend in self.chunk_plan(n, len(hits) * C):
+            parts: list[tuple[int, tuple]] | None = [] if want else None
+            if hits and want:  # the cached pages' logprobs of their own tokens; the very first token has none
+                entries = [h.logprobs.entries(page) for h in hits]
+                parts.append(
+                    (cached - 1, tuple(np.concatenate([e[i] for e in entries])[1:] for i in range(3)))
+                )
+            first = cached - 1 if hits else 0
+            for start, real, size, attend in self.chunk_plan(n, first):
                 chunk = np.zeros(size, np.int32)
                 chunk[:real] = padded[start : start + real]
-                cache, hidden = p.chunk(self.params, cache, chunk, np.int32(start), attend_len=attend)
-                lp = None
-                if want_prompt_logprobs:
+                self.pool, hidden = p.chunk(self.params, self.pool, chunk, np.int32(start), table, np.int32(cached),
+                                            attend_len=attend)  # fmt: skip
+                if want:
                     targets = np.zeros(size, np.int32)
                     targets[:real] = padded[start + 1 : start + real + 1]
-                    lp = p.chunk_logprobs(self.params, hidden, targets)
-                    prompt.append((real, lp[:3]))
-                if real == C and index is not None:
-                    self._cache_block(keys[start // C], cache, start, lp)
-                if start + C < n:
+                    parts.append((real, p.chunk_logprobs(self.params, hidden, targets)))
+                if start + real < n:
                     yield None
             last_logits = p.last_logits(self.params, hidden, np.int32(real - 1))
-            if prompt is not None:
-                _host_copy([arrays for _, arrays in prompt])
-            yield Prefix(cache, last_logits, n, prompt, cached_tokens=len(hits) * C)
+            prompt = None
+            if parts is not None:
+                _host_copy([arrays for _, arrays in parts])
+                prompt = PromptParts(parts)
+            for i in range(len(hits), len(keys)):  # the full pages computed now
+                pages.register(keys[i], row[i], PageLogprobs(prompt, i) if prompt is not None else None)
+            prefix = Prefix(row, last_logits, n, prompt, cached_tokens=cached)
+            weakref.finalize(prefix, pages.let_go, row)
+            done = True
+            yield prefix
         finally:
-            if index is not None:
-                index.unpin(hits)
-
-    def _cache_block(self, key: bytes, cache, start: int, lp) -> None:
-        """Keep a just-computed full block: its KV (when new) and its prompt logprobs (when computed and not yet
-        kept). Dispatched in order, so a later request's load reads what these stores wrote."""
-        block = self.index.get(key)
-        if block is None:
-            block = self.index.add(key, logprobs=lp is not None)
-            if block is None:  # every block pinned: served without caching
-                return
-            self.pool = self.programs.store(self.pool, cache, np.int32(start), np.int32(block.id))
-        elif lp is None or block.logprobs:
-            return
-        if lp is not None:
-            self.pool = self.programs.store_logprobs(self.pool, np.int32(block.id), lp)
-            block.logprobs = True
+            if not done:  # closed early or failed: nobody will read these pages
+                pages.let_go(row)
 
     def prefill(
         self, tokens: list[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None
@@ -268,14 +311,17 @@ class JaxEngine(Engine):
         self, prompts: list[list[int]], cache_salts: list[str | None] | None = None
     ) -> list[Prefix]:
         """Prompts shorter than C grouped by padded size, up to C // size a program (`together_shapes`); a
-        group of one, and any prompt on a mesh, is prefilled alone. Each prefix equals `prefill`'s (tested).
-        The salts do not matter here: a prompt shorter than C has no block to share."""
+        group of one, any prompt whose pages can be shared, and any prompt on a mesh, is prefilled alone. Each
+        prefix equals `prefill`'s (tested)."""
         C, prefixes = self.prefill_chunk, [None] * len(prompts)
         salts = cache_salts or [None] * len(prompts)
         if any(not 0 < len(tokens) < C for tokens in prompts):
             raise ValueError(f"prefill_together takes prompts of 1..{C - 1} tokens")
         groups: dict[int, list[int]] = {}
         for i, tokens in enumerate(prompts):
+            if len(tokens) > self.shapes.small_prompt:  # its pages may be shared: its own chunks
+                prefixes[i] = self.prefill(tokens, cache_salt=salts[i])
+                continue
             groups.setdefault(bucket_for(len(tokens), self.chunk_sizes), []).append(i)
         shapes = self.together_shapes()
         for size, members in groups.items():
@@ -288,52 +334,82 @@ class JaxEngine(Engine):
                     continue
                 rows = bucket_for(len(group), row_buckets)
                 tokens, last = np.zeros((rows, size), np.int32), np.zeros(rows, np.int32)
+                tables = np.zeros((rows, self.max_pages), np.int32)
+                held = []
                 for r, i in enumerate(group):
-                    tokens[r, : len(prompts[i])] = prompts[i]
-                    last[r] = len(prompts[i]) - 1
-                    if self.index is not None:  # counted as looked up, as `prefill` does (no full block)
-                        self.index.lookup([], len(prompts[i]), False)
+                    n = len(prompts[i])
+                    own = self.pages.allocate(-(-n // self.page))
+                    if own is None:
+                        for pages in held:
+                            self.pages.let_go(pages)
+                        raise NoRoom(f"no room for {len(group)} prompts of up to {size} tokens")
+                    held.append(own)
+                    tokens[r, :n] = prompts[i]
+                    last[r] = n - 1
+                    tables[r, : len(own)] = own
+                    if self.pages.prefix_cache:  # counted as looked up, as `prefill` does (nothing to share)
+                        self.pages.lookup([], n, False)
                 attend = bucket_for(min(size, self.max_seq_len), self.attend_buckets)
-                caches, logits = self.programs.chunk_together(self.params, tokens, last, attend_len=attend)
+                self.pool, logits = self.programs.chunk_together(
+                    self.params, self.pool, tokens, last, self._place_replicated(tables), attend_len=attend
+                )
                 for r, i in enumerate(group):
-                    prefixes[i] = Prefix(caches[r], logits[r], len(prompts[i]), None)
+                    prefixes[i] = Prefix(held[r], logits[r], len(prompts[i]), None)
+                    weakref.finalize(prefixes[i], self.pages.let_go, held[r])
         return prefixes
 
     def prefill_cost(self, prompt_len: int) -> int:
         # the first chunk's padded size
-        return bucket_for(min(prompt_len, self.prefill_chunk), self.chunk_sizes)
+        return self.chunk_plan(prompt_len)[0][2]
 
     def cached_tokens(self, prefix: Prefix) -> int:
         return prefix.cached_tokens
 
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
-        return self.index.stats() if self.index is not None else None
+        return self.pages.prefix_stats() if self.pages.prefix_cache else None
+
+    def page_stats(self) -> PageStats:
+        return self.pages.stats()
+
+    def admits(self, prompt_len: int, samples: int) -> bool:
+        """Room for the prompt's pages and each sample's own last page, with a page to spare for each running
+        sequence's next call; none while a paused sequence waits to come back."""
+        if self._paused:
+            return False
+        need = -(-prompt_len // self.page) + samples + int(self._occupied.sum())
+        return need <= self.pages.available()
 
     def prompt_logprobs(self, prefix: Prefix) -> PromptLogprobs | None:
         if prefix.prompt is None:
             return None
-        parts = [[np.asarray(a)[:count] for a in arrays] for count, arrays in prefix.prompt]
-        chosen, top_ids, top_vals = (np.concatenate([part[i] for part in parts]) for i in range(3))
+        chosen, top_ids, top_vals = prefix.prompt.arrays()
         n = prefix.prompt_len - 1
         return PromptLogprobs(chosen[:n], top_ids[:n], top_vals[:n])
 
     def start_insert(
         self, prefix: Prefix, slot: int, params: SlotParams, allowed: np.ndarray | None = None
     ) -> Pending[TokenOut]:
+        """The slot reads the prefix's pages, but for a last page the prompt does not fill: decode writes there,
+        so the slot gets its own copy (several samples of one prompt write different tokens)."""
         one = slot_sampling(params)  # ValueError for a bad seed or too many stop ids, before anything runs
         row = self._free_row if allowed is None else self._mask_row(allowed)
+        pages = list(prefix.pages)
+        if prefix.prompt_len % self.page:
+            (own,) = self._allocate(1, keep=slot)
+            self.pool = self.programs.copy_page(self.pool, np.int32(pages[-1]), np.int32(own))
+            self.pages.hold(pages[:-1])
+            pages[-1] = own
+        else:
+            self.pages.hold(pages)
+        self._set_pages(slot, pages)
         self.state, (out, done) = self.programs.insert(
-            self.state,
-            prefix.cache,
-            prefix.last_logits,
-            np.int32(slot),
-            np.int32(prefix.prompt_len),
-            one,
-            row,
+            self.state, prefix.last_logits, np.int32(slot), np.int32(prefix.prompt_len), one, row
         )
         _host_copy((out, done))
         self._occupied[slot] = True
         self._length_bound[slot] = prefix.prompt_len
+        self._insertions += 1
+        self._inserted[slot] = self._insertions
 
         def read() -> TokenOut:
             token_id, lp, top_ids, top_vals = (np.asarray(a) for a in out)
@@ -346,6 +422,74 @@ class JaxEngine(Engine):
     ) -> TokenOut:
         return self.start_insert(prefix, slot, params, allowed).result()
 
+    # -- pages of the slots ---------------------------------------------------------------------------------
+    def _set_pages(self, slot: int, pages: list[int]) -> None:
+        self._slot_pages[slot] = pages
+        self.table[slot] = 0
+        self.table[slot, : len(pages)] = pages
+        self._table_device = None
+
+    def _allocate(self, n: int, keep: int | None = None) -> list[int]:
+        """n pages; while there are not enough, the running sequence inserted last (other than `keep`) is paused
+        to make room."""
+        while (got := self.pages.allocate(n)) is None:
+            running = [s for s in np.flatnonzero(self._occupied) if s not in self._paused and s != keep]
+            if not running:
+                raise NoRoom(f"no room for {n} pages: {self.pages.available()} of {self.pages.total} free")
+            self._pause(max(running, key=lambda s: self._inserted[s]))
+        return got
+
+    def _pause(self, slot: int) -> None:
+        """Copy the slot's pages to the host and let them go; the slot makes no tokens until `_resume`."""
+        pages = self._slot_pages[slot]
+        kv = []
+        for i in range(0, len(pages), SWAP_PAGES):
+            ids = np.zeros(SWAP_PAGES, np.int32)
+            part = pages[i : i + SWAP_PAGES]
+            ids[: len(part)] = part
+            k, v = self.programs.swap_out(self.pool, ids)
+            kv.append((np.asarray(k), np.asarray(v)))
+        self._paused[slot] = Paused(len(pages), kv)
+        self.pages.let_go(pages)
+        self._set_pages(slot, [])
+        self.pages.preemptions += 1
+        self._paused_device = None
+        log.info("paused slot %d (%d pages to host memory): the pool is full", slot, len(pages))
+
+    def _resume(self, slot: int) -> None:
+        paused = self._paused.pop(slot)
+        pages = self.pages.allocate(paused.pages)
+        assert pages is not None
+        beyond = self.pool.k.shape[1]  # past the pool: skipped
+        for i, (k, v) in zip(range(0, paused.pages, SWAP_PAGES), paused.kv):
+            ids = np.full(SWAP_PAGES, beyond, np.int32)
+            part = pages[i : i + SWAP_PAGES]
+            ids[: len(part)] = part
+            self.pool = self.programs.swap_in(self.pool, ids, k, v)
+        self._set_pages(slot, pages)
+        self._paused_device = None
+
+    def _make_room(self, steps: int) -> None:
+        """Before a decode call: paused sequences come back while there is room for them (oldest first), then
+        each running one gets the pages its next `steps` tokens fill (pausing the latest when there are none)."""
+        for slot in list(self._paused):
+            bound = min(int(self._length_bound[slot]) + steps, self.max_seq_len)
+            need = max(self._paused[slot].pages, -(-bound // self.page))
+            if need + 1 > self.pages.available():
+                break
+            self._resume(slot)
+        for slot in sorted(np.flatnonzero(self._occupied), key=lambda s: self._inserted[s]):
+            if slot in self._paused:
+                continue
+            bound = min(int(self._length_bound[slot]) + steps, self.max_seq_len)
+            missing = -(-bound // self.page) - len(self._slot_pages[slot])
+            if missing > 0:
+                got = self._allocate(missing, keep=slot)
+                if slot in self._paused:  # paused while making room for itself (it was the latest)
+                    self.pages.let_go(got)
+                    continue
+                self._set_pages(slot, self._slot_pages[slot] + got)
+
     def _mask_row(self, allowed: np.ndarray) -> np.ndarray:
         row = np.asarray(allowed, np.int32).reshape(-1)
         if row.shape != (self.mask_words,):
@@ -356,50 +500,84 @@ class JaxEngine(Engine):
         self._allowed[slot] = self._free_row if allowed is None else self._mask_row(allowed)
         self._constrained[slot] = allowed is not None
 
+    def _running(self) -> list[int]:
+        """Occupied slots not paused, in slot order."""
+        return [int(s) for s in np.flatnonzero(self._occupied) if s not in self._paused]
+
     def buckets(self) -> tuple[int, int, int]:
-        """(attend_len, batch, steps) of the next decode call: they cover every occupied slot for its steps."""
-        live = np.flatnonzero(self._occupied)
-        longest = int(self._length_bound[live].max()) if live.size else 0
-        batch = bucket_for(int(live.max()) + 1 if live.size else 1, self.batch_buckets)
+        """(attend_len, batch, steps) of the next decode call over every running slot: the batch bucket covers
+        their count, the attended length their longest sequence after the call's steps."""
+        running = self._running()
+        longest = int(self._length_bound[running].max()) if running else 0
+        batch = bucket_for(max(len(running), 1), self.batch_buckets)
         steps = self.call_steps[batch]
         attend = bucket_for(min(longest + steps, self.max_seq_len), self.attend_buckets)
         return attend, batch, steps
 
+    def _groups(self) -> list[tuple[list[int], int, int, int]]:
+        """(slots, attend_len, batch, steps) of each call of the next decode: one over every running slot, or,
+        when some need an attended length at least SPLIT_ATTEND times the others', the others in a call of their
+        own (a long sequence would make every row of one call attend its length). A row's results are the same
+        in either (decode_program)."""
+        attend, batch, steps = self.buckets()
+        running = self._running()
+        need = {s: bucket_for(min(int(self._length_bound[s]) + steps, self.max_seq_len), self.attend_buckets)
+                for s in running}  # fmt: skip
+        short = [s for s in running if need[s] * SPLIT_ATTEND <= attend]
+        if not short or len(short) == len(running):
+            return [(running, attend, batch, steps)]
+        groups = []
+        for part in (short, [s for s in running if need[s] * SPLIT_ATTEND > attend]):
+            b = bucket_for(len(part), self.batch_buckets)
+            groups.append((part, max(need[s] for s in part), b, self.call_steps[b]))
+        return groups
+
     def next_call_steps(self) -> int:
         # a constrained row needs the host (its next mask) after every token: the call makes one step
-        return 1 if self._constrained[self._occupied].any() else self.buckets()[2]
+        if self._constrained[self._occupied].any():
+            return 1
+        return min(steps for _, _, _, steps in self._groups())
 
     def start_decode(self) -> Pending[StepArrays]:
-        attend, batch, steps = self.buckets()
         steps_now = self.next_call_steps()
+        self._make_room(steps_now)
         masks = self._free_masks
         if self._constrained[self._occupied].any():
             # a copy (a CPU device may alias host memory), put without a program (jnp.asarray compiles one)
             masks = self._place_replicated(self._allowed.copy())
-        self.state, (out, valid, done) = self.programs.decode(
-            self.params, self.state, masks, np.int32(steps_now), attend_len=attend, batch=batch, steps=steps
-        )
-        _host_copy((out, valid, done))
-        self._length_bound[self._occupied] += steps_now
+        if self._table_device is None:
+            self._table_device = self._place_replicated(self.table.copy())
+        if self._paused_device is None:
+            paused = np.zeros(self.slots + 1, bool)
+            paused[list(self._paused)] = True
+            self._paused_device = self._place_replicated(paused)
+        calls = []
+        for slots, attend, batch, steps in self._groups():
+            rows = np.full(max(batch, self.invariant_rows), self.slots, np.int32)  # the scratch row pads
+            rows[: len(slots)] = slots
+            self.state, self.pool, out = self.programs.decode(
+                self.params, self.state, self.pool, self._table_device, self._paused_device, masks, rows,
+                np.int32(steps_now), attend_len=attend, batch=batch, steps=steps,
+            )  # fmt: skip
+            _host_copy(out)
+            calls.append((slots, out))
+        self._length_bound[self._running()] += steps_now
 
         def read() -> StepArrays:
-            ids, lps, top_ids, top_vals = (self._pad(np.asarray(a)) for a in out)
-            return StepArrays(
-                ids, lps, top_ids, top_vals, self._pad(np.asarray(valid)), self._pad(np.asarray(done))
-            )
+            n = max(out[0].ids.shape[0] for _, out in calls)
+            full = None
+            for slots, (tokens, valid, done) in calls:
+                arrays = [np.asarray(a) for a in (*tokens, valid, done)]
+                if full is None:
+                    full = [np.zeros((n, self.slots, *a.shape[2:]), a.dtype) for a in arrays]
+                for dst, src in zip(full, arrays, strict=True):
+                    dst[: src.shape[0], slots] = src[:, : len(slots)]
+            return StepArrays(*full)
 
         return Pending(read)
 
     def decode(self) -> StepArrays:
         return self.start_decode().result()
-
-    def _pad(self, a: np.ndarray) -> np.ndarray:
-        """[N, batch, ...] -> [N, slots, ...]: slots past the batch bucket were not run (valid/done False)."""
-        if a.shape[1] == self.slots:
-            return a
-        out = np.zeros((a.shape[0], self.slots) + a.shape[2:], a.dtype)
-        out[:, : a.shape[1]] = a
-        return out
 
     @property
     def occupied_slots(self) -> list[int]:
@@ -410,6 +588,10 @@ class JaxEngine(Engine):
         self.state = self.programs.release(self.state, np.int32(slot))
         self._occupied[slot] = False
         self._length_bound[slot] = 0
+        if self._paused.pop(slot, None) is not None:
+            self._paused_device = None
+        self.pages.let_go(self._slot_pages[slot])
+        self._set_pages(slot, [])
         self.constrain(slot, None)
 
     # -- start-up -----------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import numpy as np
 from tpuserve.sampler.api import (
     Engine,
     EngineUnavailable,
+    PageStats,
     Pending,
     PrefixCacheStats,
     PromptLogprobs,
@@ -60,6 +61,7 @@ COMPOSED: dict[str, tuple[str, ...]] = {
 }
 LEADER_ONLY = frozenset({
     "prompt_logprobs", "cached_tokens", "prefix_cache_stats", "next_call_steps", "prefill_cost", "mask_words",
+    "page_stats", "admits", "max_prompt_len",
     "set_fault_handler",
     # JaxEngine's own, which the service never calls (tests, bench, warm-up): shapes and host bookkeeping
     "buckets", "chunk_plan", "together_shapes", "occupied_slots",
@@ -142,11 +144,18 @@ class LeaderEngine(Engine):
     def prefill_steps(
         self, tokens: list[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None
     ) -> Generator[Any, None, None]:
+        """Called now on every process (the engine takes the prompt's pages when called), stepped together."""
         handle, self._next_handle = self._next_handle, self._next_handle + 1
         steps = self._call(REPLICATED["prefill_steps"], (handle, list(tokens), want_prompt_logprobs, cache_salt),
                            lambda: self.inner.prefill_steps(tokens, want_prompt_logprobs, cache_salt))  # fmt: skip
+        out = self._steps(handle, steps)
+        next(out)  # started: closing it from now on closes the followers' too
+        return out
+
+    def _steps(self, handle: int, steps: Generator[Any, None, None]) -> Generator[Any, None, None]:
         done = False
         try:
+            yield None  # the start (`prefill_steps`)
             while not done:
                 with self.channel.lock:
                     self._send("next", handle)
@@ -172,6 +181,16 @@ class LeaderEngine(Engine):
 
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
         return self.inner.prefix_cache_stats()
+
+    def page_stats(self) -> PageStats | None:
+        return self.inner.page_stats()
+
+    def admits(self, prompt_len: int, samples: int) -> bool:
+        return self.inner.admits(prompt_len, samples)
+
+    @property
+    def max_prompt_len(self) -> int:
+        return self.inner.max_prompt_len
 
     def next_call_steps(self) -> int:
         return self.inner.next_call_steps()

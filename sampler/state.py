@@ -1,4 +1,4 @@
-"""Device-side decode state: one typed pytree, donated to every decode/insert call.
+"""Device-side decode state: one typed pytree of per-slot arrays, donated to every decode/insert call.
 
 `SlotSampling` holds the per-slot sampling and stopping parameters as arrays (traced, never static), so a
 request's temperature or seed never recompiles anything. The same struct describes one slot (scalars, made on
@@ -11,8 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from tpuserve.model.config import ModelConfig
-from tpuserve.model.llama import KVCache, init_cache
 from tpuserve.sampler.api import SlotParams
 
 MAX_STOP_IDS = 8
@@ -70,7 +68,8 @@ def init_slot_sampling(slots: int) -> SlotSampling:
 
 @struct.dataclass
 class DecodeState:
-    cache: KVCache  # [L, B, Hkv, S, D] each
+    """Per-slot decode state (the keys and values live in the pool of pages, beside it)."""
+
     lengths: jax.Array  # i32[B]: tokens in the cache = position the next fed token takes
     last: jax.Array  # i32[B]: last sampled token, fed to the next step
     active: jax.Array  # bool[B]: slot generating
@@ -78,10 +77,9 @@ class DecodeState:
     sampling: SlotSampling  # [B] per-slot parameters
 
 
-def init_decode_state(cfg: ModelConfig, slots: int, max_seq_len: int, dtype=jnp.float32) -> DecodeState:
+def init_decode_state(slots: int) -> DecodeState:
     B = slots
     return DecodeState(
-        cache=init_cache(cfg, B, max_seq_len, dtype),
         lengths=jnp.zeros(B, jnp.int32),
         last=jnp.zeros(B, jnp.int32),
         active=jnp.zeros(B, bool),

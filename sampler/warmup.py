@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from tpuserve.sampler import host_memory
 from tpuserve.sampler.api import SlotParams
-from tpuserve.sampler.prefix_cache import PrefixIndex
+from tpuserve.sampler.programs import SWAP_PAGES
 
 if TYPE_CHECKING:
     from tpuserve.sampler.engine import JaxEngine
@@ -22,16 +22,18 @@ Stage = tuple[str, Callable[[], None]]
 
 def stages(engine: JaxEngine, prompt_logprobs: bool = True) -> list[Stage]:
     """What warm-up runs, stage by stage: the prefill programs per (chunk size, attended length) that a prompt can
-    meet, with prompt logprobs; the programs that prefill short prompts together; the prefix cache's store and
-    load (twice the same prompt) and insert; decode per (attended-length, batch) bucket. Prefill and insert also
-    run once, decode programs are only compiled."""
+    meet, with prompt logprobs; the programs that prefill short prompts together; a prompt twice (the prefix
+    cache cold and warm) and its insert; moving pages to the host and back; decode per (attended-length, batch)
+    bucket. Prefill and insert also run once, decode programs are only compiled."""
     e, p = engine, engine.programs
     params = SlotParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=5, seed=0)
-    shapes = {(size, attend): start for n in range(1, e.max_seq_len + 1)
-              for start, _, size, attend in e.chunk_plan(n)}  # fmt: skip
+    nowhere = e._place_replicated(
+        np.zeros(e.max_pages, np.int32)
+    )  # a table of null pages: nothing is written
 
-    def chunk(size: int, attend: int, start: int) -> None:
-        _, hidden = p.chunk(e.params, p.fresh(), np.ones(size, np.int32), np.int32(start), attend_len=attend)
+    def chunk(size: int, attend: int) -> None:
+        e.pool, hidden = p.chunk(e.params, e.pool, np.ones(size, np.int32), np.int32(0), nowhere, np.int32(0),
+                                 attend_len=attend)  # fmt: skip
         p.last_logits(e.params, hidden, np.int32(0))
         if prompt_logprobs:
             p.chunk_logprobs(e.params, hidden, np.ones(size, np.int32))
@@ -46,29 +48,39 @@ def stages(engine: JaxEngine, prompt_logprobs: bool = True) -> list[Stage]:
         n = min(e.max_seq_len, 2 * e.prefill_chunk + 1)
         for want in (False, True) if prompt_logprobs else (False,):
             for _ in range(2):  # cold, then warm (when there is a cache)
+                prefix = None  # let go of the last one's pages first (a small pool holds one prompt)
                 prefix = e.prefill([1] * n, want_prompt_logprobs=want, cache_salt="\0warm-up")
                 e.prompt_logprobs(prefix)
         e.insert(prefix, 0, params)
         e.release(0)
-        if e.index is not None:  # forget the warm-up's blocks and counts
-            e.index = PrefixIndex(e.index.capacity, e.index.block_size, e.index.block_bytes)
+        e.pages.forget_cache()  # the warm-up's pages and counts
+
+    def swap() -> None:  # pages to the host and back, and a page's copy: on the null page, changing nothing
+        k, v = p.swap_out(e.pool, np.zeros(SWAP_PAGES, np.int32))
+        e.pool = p.swap_in(
+            e.pool, np.full(SWAP_PAGES, e.pool.k.shape[1], np.int32), np.asarray(k), np.asarray(v)
+        )
+        e.pool = p.copy_page(e.pool, np.int32(0), np.int32(e.pool.k.shape[1]))
 
     def decode(attend: int, batch: int) -> None:
         # compiled (or loaded from the cache), not run: a 64-row decode over 512 positions runs for seconds,
         # and the call later finds this executable (the same arguments' shapes and placement)
         steps = e.call_steps[batch]
-        p.decode.lower(
-            e.params, e.state, e._free_masks, np.int32(steps), attend_len=attend, batch=batch, steps=steps
-        ).compile()
+        table = e._place_replicated(e.table.copy())
+        paused = e._place_replicated(np.zeros(e.slots + 1, bool))
+        rows = np.full(max(batch, e.invariant_rows), e.slots, np.int32)
+        p.decode.lower(e.params, e.state, e.pool, table, paused, e._free_masks, rows, np.int32(steps),
+                       attend_len=attend, batch=batch, steps=steps).compile()  # fmt: skip
 
     plan: list[Stage] = [
-        (f"prefill chunk of {size} attending {attend}", functools.partial(chunk, size, attend, start))
-        for (size, attend), start in sorted(shapes.items())
+        (f"prefill chunk of {size} attending {attend}", functools.partial(chunk, size, attend))
+        for size, attend in sorted(e.shapes.chunk_shapes())
     ]
     plan += [(f"prefill {rows} prompts of {size} together", functools.partial(together, rows, size))
              for rows, size in e.together_shapes()]  # fmt: skip
     # last of the prefill stages: it resets the prefix cache's counts
     plan.append(("prefix cache and insert", cache_and_insert))
+    plan.append(("pages to the host and back", swap))
     plan += [(f"decode {a} positions x {b} rows x {e.call_steps[b]} steps", functools.partial(decode, a, b))
              for a in e.attend_buckets for b in e.batch_buckets]  # fmt: skip
     return plan

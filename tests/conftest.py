@@ -26,8 +26,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # The engine every real-model test shares: as served (EngineConfig: 64 slots, so batch invariance is checked next
 # to 63 other requests; one request decodes on 2 rows, 8 steps a call) on shorter sequences, with prefix-cache
-# blocks of 32 tokens (tests share prompt prefixes across requests).
-ENGINE = dataclasses.replace(EngineConfig(), max_seq_len=256, min_prefill_bucket=32, prefill_chunk=32)
+# pages of 16 tokens (tests share prompt prefixes across requests), prompts over 32 tokens in chunks of 64.
+ENGINE = dataclasses.replace(EngineConfig(), max_seq_len=256, min_prefill_bucket=32, prefill_chunk=64)
 
 # The fast tier (`make test-fast`, `pytest -m "not slow"`): every layer through fakes and tiny models. A test is
 # slow when it needs the embedded model (these session fixtures load and warm it: about a minute before the first

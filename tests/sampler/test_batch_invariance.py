@@ -80,7 +80,8 @@ def test_prompts_prefilled_together_match_each_alone(together_engine, embedded, 
     import jax
 
     eng = together_engine
-    assert eng.together_shapes() == [(2, 16), (4, 16), (8, 16), (2, 32), (4, 32), (2, 64)]
+    # prompts over 32 tokens are prefilled alone, in chunks of >= 64 (their pages may be shared)
+    assert eng.together_shapes() == [(2, 16), (4, 16), (8, 16), (2, 32), (4, 32)]
     compiles: list[str] = []
 
     def on_event(name: str, *args, **kwargs) -> None:
@@ -96,9 +97,9 @@ def test_prompts_prefilled_together_match_each_alone(together_engine, embedded, 
     programs: list[tuple[int, int]] = []
     original = eng.programs.chunk_together
 
-    def spy(params, tokens, last, attend_len):
+    def spy(params, pool, tokens, last, tables, attend_len):
         programs.append(tokens.shape)
-        return original(params, tokens, last, attend_len=attend_len)
+        return original(params, pool, tokens, last, tables, attend_len=attend_len)
 
     try:
         alone, _ = run(eng, requests)
@@ -147,3 +148,34 @@ def test_seeds_differ_in_their_high_bits(engine, embedded):
         streams.append(out[0][0])
     assert streams[0] == streams[3]
     assert len({tuple(s) for s in streams[:3]}) == 3
+
+
+def test_bit_identical_beside_a_long_sequence_whose_rows_decode_in_a_call_of_their_own(embedded):
+    """A long sequence among short ones: the short rows decode in a call of their own over their own attended
+    length (sampler/engine.py, SPLIT_ATTEND), the long one over its own; each request's tokens and logprobs are
+    the ones it gets alone. A context of 1024 positions, no warm-up (the few programs compile on first use)."""
+    from tpuserve.sampler.engine import JaxEngine
+
+    eng = JaxEngine(embedded, engine_config(slots=8, max_seq_len=1024, prefill_chunk=128))
+    tok = embedded.tokenizer
+    long_ids = tok.encode(" ".join(PROMPTS * 40))[:700]
+    assert len(long_ids) == 700
+    ids = tok.encode(PROMPTS[0])
+    mine = [(0, ids, GREEDY), (1, ids, SEEDED)]
+    groups: list[list[tuple[int, int]]] = []
+    original = eng._groups
+
+    def spy():
+        out = original()
+        groups.append([(attend, batch) for _, attend, batch, _ in out])
+        return out
+
+    eng._groups = spy
+    alone, _ = run(eng, mine)
+    assert all(len(g) == 1 for g in groups)
+    groups.clear()
+    beside, _ = run(eng, [(2, long_ids, SlotParams(max_tokens=16, temperature=0.0))] + mine)
+    assert [(128, 8), (1024, 8)] in groups, groups  # the short rows apart, over 128 positions
+    for slot in (0, 1):
+        for a, b in zip(alone[slot], beside[slot], strict=True):
+            assert np.array_equal(np.array(a), np.array(b)), f"slot {slot}"

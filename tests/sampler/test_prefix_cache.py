@@ -1,8 +1,9 @@
 """The prefix cache is invisible in the numbers: a request's tokens, logprobs, top-20 alternatives and prompt
-logprobs are bit-identical with its prompt's blocks cold, warm or partly warm (real weights, the shared engine:
-blocks of 32 tokens). Each test takes a fresh `cache_salt` for its cold runs, so no other test's blocks can warm
-them. Also: salts isolate, blocks without prompt logprobs are recomputed for a request that wants them, pinned
-blocks are never evicted, a full cache serves without caching, and the host index on its own."""
+logprobs are bit-identical with its prompt's pages cold, warm or partly warm (real weights, the shared engine:
+pages of 16 tokens, chunks of 64). Each test takes a fresh `cache_salt` for its cold runs, so no other test's
+pages can warm them. Also: salts isolate, pages without prompt logprobs are recomputed for a request that wants
+them, held pages are never evicted, and the host's page bookkeeping on its own. A sequence paused to make room
+(its pages moved to the host and back) goes on bit for bit."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import itertools
 import numpy as np
 import pytest
 from tpuserve.sampler.api import SlotParams
-from tpuserve.sampler.engine import JaxEngine
-from tpuserve.sampler.prefix_cache import PrefixIndex
+from tpuserve.sampler.engine import JaxEngine, NoRoom
+from tpuserve.sampler.pages import Pages
 
 from tests.helpers import engine_config
 from tests.sampler.test_engine import PROMPTS
@@ -40,7 +41,7 @@ CONTEXT = (
 def long_prompt(tok, words: int = 0) -> list[int]:
     """~150 tokens of real text, then `words` extra words."""
     ids = tok.encode(CONTEXT + " ".join(PROMPTS) + "".join(f" word{i}" for i in range(words)))
-    assert len(ids) > 4 * 32, len(ids)
+    assert len(ids) > 8 * 16, len(ids)
     return ids
 
 
@@ -73,53 +74,64 @@ def assert_identical(a, b):
 
 
 def test_cold_warm_and_partly_warm_are_bit_identical(engine, embedded, params=SEEDED):
-    tok, C = embedded.tokenizer, engine.prefill_chunk
-    assert C == 32 and engine.index is not None
+    tok, P = embedded.tokenizer, engine.page
+    assert P == 16 and engine.pages.prefix_cache
     ids = long_prompt(tok)
     salt = fresh_salt()
     cold = run(engine, ids, params, salt=salt)
     warm = run(engine, ids, params, salt=salt)
-    assert cold[0] == 0 and warm[0] == (len(ids) - 1) // C * C
+    assert cold[0] == 0 and warm[0] == (len(ids) - 1) // P * P
     assert_identical(cold, warm)
-    # a longer prompt that shares the first one whole: its hit ends where the shared blocks do, mid-way through
-    # the first prompt's last (partial) block; the rest is computed
+    # a longer prompt that shares the first one whole: its hit ends where the shared pages do, mid-way through
+    # the first prompt's last (partial) page; the rest is computed
     longer = ids + tok.encode(" And one more question about the weather tomorrow?")
     partly = run(engine, longer, params, salt=salt)
-    assert partly[0] == len(ids) // C * C
+    assert partly[0] == len(ids) // P * P
     assert_identical(partly, run(engine, longer, params, salt=fresh_salt()))
-    # a prompt that diverges inside a block: only the blocks before the divergence are shared
-    diverged = ids[: 3 * C + 7] + tok.encode(" something else entirely, as a different question")
+    # a prompt that diverges inside a page: only the pages before the divergence are shared
+    diverged = ids[: 5 * P + 7] + tok.encode(" something else entirely, as a different question")
     hit = run(engine, diverged, params, salt=salt)
-    assert hit[0] == 3 * C
+    assert hit[0] == 5 * P
     assert_identical(hit, run(engine, diverged, params, salt=fresh_salt()))
 
 
-def test_a_fully_cached_prompt_recomputes_its_last_block_greedy(engine, embedded):
-    C = engine.prefill_chunk
-    ids = long_prompt(embedded.tokenizer)[: 4 * C]  # exactly four blocks
+def test_a_shared_system_prompt_shorter_than_a_chunk_is_shared_page_by_page(engine, embedded):
+    tok, P = embedded.tokenizer, engine.page
+    system = tok.encode(CONTEXT)[:60]  # a ~60-token system prompt: three full pages
+    salt = fresh_salt()
+    first = run(engine, system + tok.encode(" What does the keeper write?"), GREEDY, salt=salt)
+    second_ids = system + tok.encode(" Who found the boat?")
+    second = run(engine, second_ids, GREEDY, salt=salt)
+    assert first[0] == 0 and second[0] == 60 // P * P
+    assert_identical(second, run(engine, second_ids, GREEDY, salt=fresh_salt()))
+
+
+def test_a_fully_cached_prompt_recomputes_its_last_page_greedy(engine, embedded):
+    P = engine.page
+    ids = long_prompt(embedded.tokenizer)[: 8 * P]  # exactly eight pages
     salt = fresh_salt()
     cold = run(engine, ids, GREEDY, salt=salt)
     warm = run(engine, ids, GREEDY, salt=salt)
-    assert warm[0] == 3 * C  # the last token's logits are needed: its block is computed again
+    assert warm[0] == 7 * P  # the last token's logits are needed: its page is computed again
     assert_identical(cold, warm)
-    assert len(warm[2].logprobs) == 4 * C - 1
+    assert len(warm[2].logprobs) == 8 * P - 1
 
 
-def test_blocks_without_prompt_logprobs_are_recomputed_for_a_request_that_wants_them(engine, embedded):
+def test_pages_without_prompt_logprobs_are_recomputed_for_a_request_that_wants_them(engine, embedded):
     ids = long_prompt(embedded.tokenizer)
     salt = fresh_salt()
     plain = run(engine, ids, SEEDED, want_prompt_logprobs=False, salt=salt)
     assert plain[0] == 0 and plain[2] is None
     assert run(engine, ids, SEEDED, want_prompt_logprobs=False, salt=salt)[0] > 0  # warm for a plain request
     wants = run(engine, ids, SEEDED, salt=salt)
-    assert wants[0] == 0  # those blocks kept no prompt logprobs: computed again (and now kept)
+    assert wants[0] == 0  # those pages kept no prompt logprobs: computed again (and now kept)
     again = run(engine, ids, SEEDED, salt=salt)
     assert again[0] > 0
     assert_identical(wants, again)
     assert_identical(wants, run(engine, ids, SEEDED, salt=fresh_salt()))
 
 
-def test_salts_never_share_blocks_and_stats_count_hits(engine, embedded):
+def test_salts_never_share_pages_and_stats_count_hits(engine, embedded):
     ids = long_prompt(embedded.tokenizer, words=3)
     a, b = fresh_salt(), fresh_salt()
     before = engine.prefix_cache_stats()
@@ -133,77 +145,110 @@ def test_salts_never_share_blocks_and_stats_count_hits(engine, embedded):
     assert 0 < after.cached_bytes <= after.capacity_bytes
 
 
-def test_a_cancelled_prefill_lets_go_of_its_blocks(engine, embedded):
+def test_a_cancelled_prefill_lets_go_of_its_pages(engine, embedded):
     ids = long_prompt(embedded.tokenizer, words=5)
     salt = fresh_salt()
     run(engine, ids, GREEDY, want_prompt_logprobs=False, salt=salt)
-    steps = engine.prefill_steps(ids + ids[:40], False, salt)  # longer than the cached part: several chunks
+    page = engine.pages._cached[engine.pages.keys(ids, salt)[0]].id
+    assert engine.pages.refs[page] == 0  # cached, held by nobody
+    used = engine.page_stats().used
+    steps = engine.prefill_steps(ids + ids[:90], False, salt)  # longer than the cached part: several chunks
+    assert engine.pages.refs[page] == 1 and engine.page_stats().used > used
     assert next(steps) is None
-    key = engine.index.keys(ids, salt)[0]
-    assert engine.index.get(key).pins == 1
     steps.close()  # the request was cancelled mid-prefill
-    assert engine.index.get(key).pins == 0
+    assert engine.pages.refs[page] == 0 and engine.page_stats().used == used
 
 
-# ---- a small budget: eviction and pinning, on an engine of its own ----------------------------------------
+# ---- a small pool: eviction, holding, admission and pausing, on an engine of its own --------------------------
 
 
 @pytest.fixture(scope="module")
 def small(embedded):
-    """The real model with room for 3 blocks of 32 tokens (no warm-up: the few programs compile on first use)."""
-    from tpuserve.sampler.programs import pool_block_bytes
-
-    block = pool_block_bytes(embedded.config, 32, 20, np.float32)
-    return JaxEngine(embedded, engine_config(slots=2, max_seq_len=256, prefill_chunk=32, min_prefill_bucket=32,
-                     min_attend_bucket=128, min_batch_bucket=2, prefix_cache_bytes=3 * block + 100))  # fmt: skip
+    """The real model with a pool of 16 pages of 16 tokens (no warm-up: the few programs compile on first use);
+    8 slots, so a decode step is the shared engine's (batch invariance)."""
+    return JaxEngine(embedded, engine_config(slots=8, max_seq_len=256, prefill_chunk=64, min_prefill_bucket=32,
+                     min_attend_bucket=128, min_batch_bucket=2, kv_pages=16))  # fmt: skip
 
 
-def test_least_recently_used_blocks_are_evicted_and_pinned_ones_never(small, embedded):
+def test_least_recently_let_go_pages_are_evicted_and_held_ones_never(small, embedded):
     tok = embedded.tokenizer
-    first = tok.encode(CONTEXT)[:97]  # three full blocks + 1
-    second = tok.encode(" ".join(PROMPTS[::-1]) * 6)[:97]
-    assert len(first) == len(second) == 97
-    assert small.index.capacity == 3
+    texts = [CONTEXT, " ".join(PROMPTS[::-1]) * 6, " ".join(PROMPTS) * 6]
+    first, second, third = (tok.encode(t)[:97] for t in texts)  # six full pages + 1 each
+    assert len(first) == len(second) == len(third) == 97
     cold = run(small, first, GREEDY, slot=0)
-    held = small.prefill_steps(first, True, None)
-    prefix = next(held)  # one chunk left to compute: the prefix, its three blocks pinned until the steps end
+    prefix = small.prefill(first, True, None)  # held: its six cached pages and its own last one
     assert prefix.cached_tokens == 96
-    evictions = small.index.evictions
-    assert run(small, second, GREEDY, slot=0)[0] == 0  # no unpinned block to evict: served without caching
-    assert small.index.evictions == evictions
-    assert all(small.index.get(k) is not None for k in small.index.keys(first, None))
+    evictions = small.pages.evictions
+    assert run(small, second, GREEDY, slot=0)[0] == 0  # room enough: nothing evicted
+    assert small.pages.evictions == evictions
+    assert run(small, third, GREEDY, slot=0)[0] == 0  # takes the free pages, then evicts the second's oldest
+    assert small.pages.evictions > evictions
+    assert all(k in small.pages._cached for k in small.pages.keys(first, None))  # held: never evicted
     np.testing.assert_array_equal(small.prompt_logprobs(prefix).logprobs, cold[2].logprobs)
-    held.close()
-    assert run(small, second, GREEDY, slot=0)[0] == 0  # computed again; now its blocks evict the first's
-    assert small.index.evictions == evictions + 3
-    assert run(small, second, GREEDY, slot=0)[0] == 96
-    assert run(small, first, GREEDY, slot=0)[0] == 0
+    assert not small.admits(16 * 16, 1)  # the whole pool: not while the prefix holds seven pages
+    with pytest.raises(NoRoom):
+        small.prefill(tok.encode(" ".join(PROMPTS) * 12)[: 15 * 16], False, "no room")
+    del prefix  # let go: its pages stay cached, evictable
+    assert small.admits(15 * 16 - 16, 1)
+    assert run(small, first, GREEDY, slot=0)[0] == 96
 
 
-# ---- the host index ----------------------------------------------------------------------------------------
+def test_a_sequence_paused_for_room_goes_on_bit_identical(small, embedded):
+    """Two sequences that outgrow the pool together: the one inserted last is moved to the host while the other
+    runs, then comes back; each one's tokens and logprobs equal its run alone (seeded and greedy)."""
+    tok = embedded.tokenizer
+    a, b = tok.encode(CONTEXT)[:40], tok.encode(" ".join(PROMPTS))[:40]
+    pa = SlotParams(max_tokens=100, temperature=1.0, top_p=0.9, seed=7, stop_ids=())
+    pb = SlotParams(max_tokens=100, temperature=0.0, stop_ids=())
+    alone_a = run(small, a, pa, want_prompt_logprobs=False, salt=fresh_salt(), slot=0)
+    alone_b = run(small, b, pb, want_prompt_logprobs=False, salt=fresh_salt(), slot=1)
+    assert len(alone_a[1]) == len(alone_b[1]) == 100  # 140 positions: 9 pages each, 18 > 16
+    preempted = small.page_stats().preemptions
+    out = {0: [], 1: []}
+    for slot, ids, params in ((0, a, pa), (1, b, pb)):
+        out[slot].append(small.insert(small.prefill(ids, False, fresh_salt()), slot, params))
+    running = {0, 1}
+    while running:
+        step = small.decode()
+        for slot in sorted(running):
+            out[slot] += [step.token(i, slot) for i in range(step.ids.shape[0]) if step.valid[i, slot]]
+            if out[slot][-1].done:  # as the service does: a finished sample lets its slot go
+                small.release(slot)
+                running.discard(slot)
+    assert small.page_stats().preemptions > preempted
+    for slot, alone in ((0, alone_a), (1, alone_b)):
+        got = [(t.token_id, t.logprob, t.top_ids.copy(), t.top_logprobs.copy()) for t in out[slot]]
+        assert_identical((0, got, None), (0, alone[1], None))
 
 
-def test_index_keys_chain_over_every_earlier_token_and_the_salt():
-    index = PrefixIndex(blocks=4, block_size=2, block_bytes=10)
-    a = index.keys([1, 2, 3, 4, 5], None)
-    assert len(a) == 2  # full blocks only
-    assert index.keys([1, 2, 3, 4], None) == a
-    assert index.keys([9, 2, 3, 4], None)[1] != a[1]  # block 1's key depends on block 0's tokens
-    assert index.keys([1, 2, 3, 4], "tenant")[0] != a[0]
-    assert index.keys([1, 2, 3, 4], "")[0] != a[0]  # an empty salt is not the default namespace
+# ---- the host's page bookkeeping ---------------------------------------------------------------------------
 
 
-def test_index_lookup_pins_and_evicts_least_recently_used():
-    index = PrefixIndex(blocks=2, block_size=2, block_bytes=10)
-    ka, kb, kc = (index.keys([t, t], None)[0] for t in (1, 2, 3))
-    assert index.add(ka, logprobs=False).id != index.add(kb, logprobs=True).id
-    assert [b.id for b in index.lookup([ka], 2, logprobs=False)] == [index.get(ka).id]  # a used again: newest
-    assert index.lookup([ka], 2, logprobs=True) == []  # a kept no prompt logprobs
-    index.unpin([index.get(ka)])
-    assert index.add(kc, logprobs=False) is not None  # evicts b, the least recently used
-    assert index.get(kb) is None and index.evictions == 1
-    pinned = index.lookup([ka], 2, logprobs=False) + index.lookup([kc], 2, logprobs=False)
-    assert index.add(kb, logprobs=False) is None  # every block pinned: no room, nothing evicted
-    index.unpin(pinned)
-    stats = index.stats()
-    assert (stats.lookup_tokens, stats.hit_tokens, stats.cached_bytes, stats.capacity_bytes) == (8, 6, 20, 20)
+def test_keys_chain_over_every_earlier_token_and_the_salt():
+    pages = Pages(total=4, page=2, page_bytes=10, prefix_cache=True)
+    a = pages.keys([1, 2, 3, 4, 5], None)
+    assert len(a) == 2  # full pages only
+    assert pages.keys([1, 2, 3, 4], None) == a
+    assert pages.keys([9, 2, 3, 4], None)[1] != a[1]  # page 1's key depends on page 0's tokens
+    assert pages.keys([1, 2, 3, 4], "tenant")[0] != a[0]
+    assert pages.keys([1, 2, 3, 4], "")[0] != a[0]  # an empty salt is not the default namespace
+
+
+def test_pages_are_held_by_reference_and_evicted_least_recently_let_go_first():
+    pages = Pages(total=3, page=2, page_bytes=10, prefix_cache=True)
+    ka, kb, kc = (pages.keys([t, t], None)[0] for t in (1, 2, 3))
+    (pa,), (pb,) = pages.allocate(1), pages.allocate(1)
+    pages.register(ka, pa, None)
+    pages.register(kb, pb, None)
+    assert [c.id for c in pages.lookup([ka], 2, logprobs=False)] == [pa]  # shared: held twice now
+    assert pages.stats().shared == 1 and pages.lookup([ka], 2, logprobs=True) == []  # a kept no logprobs
+    pages.let_go([pa, pa, pb])  # nobody holds a or b: cached, evictable (a let go first)
+    assert pages.available() == 3 and pages.stats().used == 0
+    (pc,) = pages.allocate(1)  # the free page first
+    assert pc not in (pa, pb) and pages.evictions == 0
+    pages.register(kc, pc, None)
+    assert pages.allocate(1) == [pa] and pages.evictions == 1 and ka not in pages._cached
+    assert pages.allocate(2) is None  # only b is left (c is held): nothing taken
+    assert pages.available() == 1 and kb in pages._cached
+    stats = pages.prefix_stats()
+    assert (stats.lookup_tokens, stats.hit_tokens, stats.cached_bytes, stats.capacity_bytes) == (4, 2, 20, 30)

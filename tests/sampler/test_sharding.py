@@ -38,7 +38,7 @@ def test_convert_writes_a_loadable_checkpoint(orbax_dir, embedded, capsys):
 
 
 # same shapes on both sides of a comparison; prefix-cache blocks of 32 tokens
-SETTINGS = engine_config(slots=4, max_seq_len=128, steps_per_call=4, prefill_chunk=32, min_prefill_bucket=32)
+SETTINGS = engine_config(slots=4, max_seq_len=128, steps_per_call=4, prefill_chunk=64, min_prefill_bucket=32)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,6 @@ def test_sharded_engine_matches_one_device(orbax_dir, embedded, one_device):
     assert sharded.params["w_gate"].sharding.spec[1] == "model"  # [L, I, H]: the MLP axis over the model axis
     tp_engine = JaxEngine(sharded, SETTINGS, mesh=mesh)
     engine = one_device
-    assert tp_engine.state.cache.k.sharding.spec[1] == "data"  # slots over the data axis
     for text in PROMPTS[:2]:
         ids = embedded.tokenizer.encode(text)
         params = SlotParams(max_tokens=8, temperature=0.0)
@@ -70,12 +69,12 @@ def test_sharded_engine_matches_one_device(orbax_dir, embedded, one_device):
         assert np.abs(np.array(tp[1][1]) - np.array(one[0][1])).max() < 5e-5
         assert np.abs(np.stack(tp[1][3]) - np.stack(one[0][3])).max() < 5e-5
 
-    # the prefix cache on the mesh: its pool is split like the KV cache, and a warm prompt (its first blocks
-    # loaded from the pool) gives the same tokens and logprobs as a cold one
-    def kv_heads_axis(array):  # a spec may leave trailing unsplit axes out
-        return (*array.sharding.spec, None, None, None)[2]
+    # the pool of pages on the mesh: placed by the sharding rules (split over KV heads where they divide), and a
+    # warm prompt (its first pages shared from the cache) gives the same tokens and logprobs as a cold one
+    from tpuserve.model.sharding import cache_sharding
 
-    assert kv_heads_axis(tp_engine.pool.k) == kv_heads_axis(tp_engine.state.cache.k)
+    planned = cache_sharding(sharded.config, mesh, tp_engine.pool.k.shape[1], tp_engine.page)
+    assert tp_engine.pool.k.sharding.is_equivalent_to(planned, 5)
     assert len(tp_engine.pool.k.sharding.device_set) == 4
     ids = embedded.tokenizer.encode((" ".join(PROMPTS) + " ") * 4)[:90]
     assert len(ids) == 90
@@ -83,7 +82,7 @@ def test_sharded_engine_matches_one_device(orbax_dir, embedded, one_device):
     cold, cold_prompt = run_engine(tp_engine, [(0, ids, params)], want_prompt_logprobs=True)
     hits = tp_engine.prefix_cache_stats().hit_tokens
     warm, warm_prompt = run_engine(tp_engine, [(0, ids, params)], want_prompt_logprobs=True)
-    assert tp_engine.prefix_cache_stats().hit_tokens - hits == 64
+    assert tp_engine.prefix_cache_stats().hit_tokens - hits == 80  # five pages of 16
     assert warm[0][0] == cold[0][0] and warm[0][1] == cold[0][1]
     np.testing.assert_array_equal(warm_prompt.logprobs, cold_prompt.logprobs)
     np.testing.assert_array_equal(warm_prompt.top_logprobs, cold_prompt.top_logprobs)
