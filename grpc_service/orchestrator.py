@@ -239,7 +239,7 @@ class Orchestrator:
     def _admit(self) -> None:
         """Waiting requests take their slots (Policy.admits) and start their prefill."""
         while (stream := self._waiting.head()) is not None:
-            if not self.policy.admits(stream.job, len(self._free)):
+            if not self.policy.admits(stream.job, len(self._free), self.engine):
                 return
             self._start(self._waiting.pop())
 

@@ -49,10 +49,12 @@ class Policy:
     prefill_budget: int  # prompt tokens prefilled per turn while streams decode
     overlap_max_call_s: float = OVERLAP_MAX_CALL_S
 
-    def admits(self, job: GenerationJob, free_slots: int) -> bool:
+    def admits(self, job: GenerationJob, free_slots: int, engine: Engine) -> bool:
         """Whether the request at the head of the queue starts now: first come, first served, so it waits for
-        its n slots (a max_tokens = 0 request needs none) and those behind it wait too."""
-        return job.max_tokens <= 0 or free_slots >= job.n
+        its n slots (a max_tokens = 0 request needs none) and the engine's room for its prompt (`Engine.admits`),
+        and those behind it wait too."""
+        samples = job.n if job.max_tokens > 0 else 0
+        return free_slots >= samples and engine.admits(len(job.prompt_ids), samples)
 
     def turn_budget(self, decoding: bool) -> int | None:
         """Prompt tokens to prefill this turn: every step when nothing decodes (None), else about the budget (at

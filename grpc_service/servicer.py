@@ -166,6 +166,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             max_n=min(max_n, engine.slots),  # n > slots could never be admitted
             max_top_logprobs=engine.top_k_width,
             max_prompt_tokens=max_prompt_tokens,
+            pool_tokens=engine.max_prompt_len if engine.max_prompt_len < engine.max_seq_len else None,
         )
         self.created = int(time.time())
         self.readiness = "serving"  # set on the event loop thread by the server (warm-up progress, shutdown)

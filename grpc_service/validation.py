@@ -34,6 +34,7 @@ class Limits:
     max_n: int
     max_top_logprobs: int = MAX_TOP_LOGPROBS
     max_prompt_tokens: int | None = None  # the server's own cap (below the context length); None = none
+    pool_tokens: int | None = None  # the longest prompt the engine's KV pool can hold, when below the context
 
 
 def _json(text: str, field: str) -> Any:
@@ -112,6 +113,11 @@ def prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits
         raise InvalidRequest(
             "prompt",
             f"the prompt has {len(ids)} tokens, more than the context length {limits.context_length}",
+        )
+    if limits.pool_tokens is not None and len(ids) > limits.pool_tokens:
+        raise InvalidRequest(
+            "prompt",
+            f"the prompt has {len(ids)} tokens, more than this server's KV cache holds ({limits.pool_tokens} tokens)",
         )
     if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
         raise InvalidRequest(

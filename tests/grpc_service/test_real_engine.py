@@ -214,9 +214,9 @@ def test_short_prompts_arriving_together_stream_what_each_streams_alone(
     rows: list[int] = []
     original = together_engine.programs.chunk_together
 
-    def spy(params, tokens, last, attend_len):
+    def spy(params, pool, tokens, last, tables, attend_len):
         rows.append(tokens.shape[0])
-        return original(params, tokens, last, attend_len=attend_len)
+        return original(params, pool, tokens, last, tables, attend_len=attend_len)
 
     monkeypatch.setattr(together_engine, "programs", together_engine.programs._replace(chunk_together=spy))
     server = ServerThread(together_engine, embedded.tokenizer, model_id=embedded.model_id)
