@@ -4,7 +4,7 @@ streaming clients against the real stack for a while; errors, latency under load
 The stack is the one `tpuserve serve` runs, as two processes on free loopback ports: the gRPC backend
 (`python -m tpuserve.cli grpc`, the embedded model unless the config names another) and the gateway
 (`python -m tpuserve.cli gateway`). The backend config is `--config` (default configs/default.yaml)
-with `slots` / `max_seq_len` overridden (default 64 / 512 with the default config) and `max_queue` raised to
+with `slots` / `max_seq_len` overridden when given (default: the config's) and `max_queue` raised to
 at least `--clients`; the gateway's `--max-concurrent-requests` is above `--clients`: no request may be
 rejected for capacity, so every rejection is an error here. The run, in order:
   1. start both, wait for the gateway's GET /health to answer 200 (after the backend's warm-up compiles), send
@@ -489,14 +489,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     keep = "with the default config, else the config's"
     p.add_argument("--slots", type=int, default=None, help=f"engine slots (default 64 {keep})")
-    p.add_argument("--max-seq-len", type=int, default=None, help=f"engine max_seq_len (default 512 {keep})")
+    p.add_argument("--max-seq-len", type=int, default=None, help="engine max_seq_len (default: the config's)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health (900)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="per-request read timeout (600)")
     args = p.parse_args(argv)
     default = args.config is None
     overrides = {
         "slots": args.slots if args.slots is not None else (64 if default else None),
-        "max_seq_len": args.max_seq_len if args.max_seq_len is not None else (512 if default else None),
+        "max_seq_len": args.max_seq_len,
     }
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="tpuserve-soak-"))
     engine = backend_config(args.config or DEFAULT_CONFIG, workdir / "backend.yaml", overrides, args.clients)

@@ -268,6 +268,9 @@ class Orchestrator:
     def _advance_prefills(self) -> None:
         """Queue prefill steps, as many as the turn's budget (Policy.turn_budget) takes."""
         budget = self.policy.turn_budget(decoding=bool(self._owner))
+        self._prefilling = collections.deque(
+            self.policy.prefill_order(self._prefilling, self.engine.prefill_chunk)
+        )
         while self._prefilling and (budget is None or budget > 0):
             run = self._prefilling[0]
             if not self._live(run):

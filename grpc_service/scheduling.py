@@ -5,7 +5,8 @@ slot table, the engine calls, the events).
 
 One turn: admit waiting requests into free slots, first come first served (they are then prefilled chunk by
 chunk: while others decode, at most about `prefill_budget` prompt tokens a turn, so a running stream never waits
-for more than about one chunk; consecutive prompts shorter than a chunk go through one `prefill_together`);
+for more than about one chunk; prompts of one chunk go before a longer one in progress, and consecutive prompts
+shorter than a chunk go through one `prefill_together`);
 insert them (the first token is sampled there); dispatch the next decode call unless nobody can use it; read back
 the previous call and the new first tokens; hand each request its events.
 
@@ -55,6 +56,15 @@ class Policy:
         and those behind it wait too."""
         samples = job.n if job.max_tokens > 0 else 0
         return free_slots >= samples and engine.admits(len(job.prompt_ids), samples)
+
+    def prefill_order(self, prefilling: Iterable[Run], chunk: int) -> list[Run]:
+        """The prefill queue in the order its prompts are computed: prompts of one chunk not started yet go
+        before a longer prompt in progress (each in arrival order), so a short request arriving behind a
+        3,000-token prompt waits for about a chunk of it, not for all of it. The long prompt goes on as soon as
+        they are done; new short ones come only as slots free up, so it is never held back for long."""
+        runs = list(prefilling)
+        short = {id(r) for r in runs if not r.stepped and len(r.job.prompt_ids) <= chunk}
+        return [r for r in runs if id(r) in short] + [r for r in runs if id(r) not in short]
 
     def turn_budget(self, decoding: bool) -> int | None:
         """Prompt tokens to prefill this turn: every step when nothing decodes (None), else about the budget (at

@@ -413,6 +413,33 @@ def test_a_long_prompt_is_prefilled_between_decode_calls():
     assert samples(long)[0][-1].finish is Finish.LENGTH
 
 
+def test_a_short_prompt_overtakes_a_long_one_in_progress():
+    """A one-chunk prompt that arrives while a prompt of 5 chunks is being prefilled (between decode calls) is
+    prefilled before the long one's remaining chunks; both get their tokens."""
+    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3], steps_per_call=2, prefill_chunk=4, delay_s=0.05)
+    orch = make(engine)
+
+    async def main():
+        running = orch.submit(job(prompt=(1, 2), max_tokens=400))
+        await running.events().__anext__()
+        long = orch.submit(job(prompt=tuple([1, 2, 3, 4] * 5), max_tokens=3))
+        while (
+            engine.log.count("prefill") < 2
+        ):  # the running stream's prefill, then the long one's first chunk
+            await asyncio.sleep(0.005)
+        short = orch.submit(job(prompt=(3, 3), max_tokens=3))
+        results = [[e async for e in st.events()] for st in (long, short)]
+        orch.cancel(running)
+        return results
+
+    try:
+        long, short = asyncio.run(main())
+    finally:
+        orch.close()
+    assert engine.prefills.index([3, 3]) < engine.prefills.index([1, 2, 3, 4] * 5)
+    assert samples(long)[0][-1].finish is Finish.LENGTH and samples(short)[0][-1].finish is Finish.LENGTH
+
+
 def test_short_prompts_waiting_together_are_prefilled_together():
     """Prompts taken in the same turn that are shorter than a chunk and want no prompt logprobs go to the engine
     in one `prefill_together` (in arrival order, with their salts); a prompt of a chunk or more, or one asking
