@@ -162,7 +162,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         self.model_id = model_id
         self.limits = Limits(
             vocab_size=min(tokenizer.vocab_size, engine.vocab_size),
-            context_length=engine.max_seq_len,
+            # a sequence must fit the KV pool too: one longer than the pool could never finish
+            context_length=min(engine.max_seq_len, engine.max_prompt_len),
             max_n=min(max_n, engine.slots),  # n > slots could never be admitted
             max_top_logprobs=engine.top_k_width,
             max_prompt_tokens=max_prompt_tokens,

@@ -30,7 +30,7 @@ class InvalidRequest(ValueError):
 @dataclass(frozen=True)
 class Limits:
     vocab_size: int  # the tokenizer's ids are 0..vocab_size-1
-    context_length: int  # the engine's S: prompt + generated tokens
+    context_length: int  # prompt + generated tokens: the engine's S, or its KV pool's tokens when fewer
     max_n: int
     max_top_logprobs: int = MAX_TOP_LOGPROBS
     max_prompt_tokens: int | None = None  # the server's own cap (below the context length); None = none
@@ -109,15 +109,15 @@ def prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits
         raise InvalidRequest("prompt", "a prompt is required: text, token_ids or chat")
     if not ids:
         raise InvalidRequest("prompt", "the prompt has no tokens")
-    if len(ids) > limits.context_length:
-        raise InvalidRequest(
-            "prompt",
-            f"the prompt has {len(ids)} tokens, more than the context length {limits.context_length}",
-        )
     if limits.pool_tokens is not None and len(ids) > limits.pool_tokens:
         raise InvalidRequest(
             "prompt",
             f"the prompt has {len(ids)} tokens, more than this server's KV cache holds ({limits.pool_tokens} tokens)",
+        )
+    if len(ids) > limits.context_length:
+        raise InvalidRequest(
+            "prompt",
+            f"the prompt has {len(ids)} tokens, more than the context length {limits.context_length}",
         )
     if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
         raise InvalidRequest(

@@ -135,10 +135,11 @@ def test_sample_seeds_are_seed_plus_i_within_64_bits(served):
 
 def test_a_prompt_longer_than_the_kv_pool_names_the_pool():
     """An engine whose pool holds fewer tokens than its context: a longer prompt is refused before it queues, and
-    the message names the pool's size (a paged engine's `max_prompt_len`, Limits.pool_tokens)."""
+    the message names the pool's size (a paged engine's `max_prompt_len`, Limits.pool_tokens); the servicer also
+    bounds prompt + max_tokens by it (context_length), so no sequence can outgrow the pool."""
     from tpuserve.grpc_service.validation import Limits, prompt_ids
 
-    limits = Limits(vocab_size=100, context_length=S, max_n=1, pool_tokens=64)
+    limits = Limits(vocab_size=100, context_length=64, max_n=1, pool_tokens=64)  # as the servicer sets them
     assert prompt_ids(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 64)), None, limits) == [5] * 64
     with pytest.raises(InvalidRequest, match="KV cache holds \\(64 tokens\\)") as refused:
         prompt_ids(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 65)), None, limits)
