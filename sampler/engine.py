@@ -395,7 +395,7 @@ class JaxEngine(Engine):
         row = self._free_row if allowed is None else self._mask_row(allowed)
         pages = list(prefix.pages)
         if prefix.prompt_len % self.page:
-            (own,) = self._allocate(1, keep=slot)
+            (own,) = self._allocate(1)  # the slot is not running yet: never paused for itself
             self.pool = self.programs.copy_page(self.pool, np.int32(pages[-1]), np.int32(own))
             self.pages.hold(pages[:-1])
             pages[-1] = own
@@ -429,14 +429,19 @@ class JaxEngine(Engine):
         self.table[slot, : len(pages)] = pages
         self._table_device = None
 
-    def _allocate(self, n: int, keep: int | None = None) -> list[int]:
-        """n pages; while there are not enough, the running sequence inserted last (other than `keep`) is paused
-        to make room."""
+    def _allocate(self, n: int, keep: int | None = None) -> list[int] | None:
+        """n pages; while there are not enough, the running sequence inserted last other than `keep` is paused
+        to make room, and `keep` itself when no other runs (pages held by prompts being prefilled or waiting for
+        their insert come back when those sequences end): then None. NoRoom when nothing is left to pause."""
         while (got := self.pages.allocate(n)) is None:
-            running = [s for s in np.flatnonzero(self._occupied) if s not in self._paused and s != keep]
-            if not running:
+            running = [s for s in self._running() if s != keep]
+            if running:
+                self._pause(max(running, key=lambda s: self._inserted[s]))
+            elif keep is not None and keep in self._running():
+                self._pause(keep)
+                return None
+            else:
                 raise NoRoom(f"no room for {n} pages: {self.pages.available()} of {self.pages.total} free")
-            self._pause(max(running, key=lambda s: self._inserted[s]))
         return got
 
     def _pause(self, slot: int) -> None:
@@ -485,10 +490,8 @@ class JaxEngine(Engine):
             missing = -(-bound // self.page) - len(self._slot_pages[slot])
             if missing > 0:
                 got = self._allocate(missing, keep=slot)
-                if slot in self._paused:  # paused while making room for itself (it was the latest)
-                    self.pages.let_go(got)
-                    continue
-                self._set_pages(slot, self._slot_pages[slot] + got)
+                if got is not None:  # None: paused itself, nothing else to pause
+                    self._set_pages(slot, self._slot_pages[slot] + got)
 
     def _mask_row(self, allowed: np.ndarray) -> np.ndarray:
         row = np.asarray(allowed, np.int32).reshape(-1)

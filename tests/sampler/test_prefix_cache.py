@@ -221,6 +221,34 @@ def test_a_sequence_paused_for_room_goes_on_bit_identical(small, embedded):
         assert_identical((0, got, None), (0, alone[1], None))
 
 
+def test_the_only_running_sequence_pauses_itself_while_prompts_hold_the_pool(small, embedded):
+    """A prefilled prompt waiting for its insert holds most of the pool; the one running sequence outgrows the rest.
+    With no other sequence to move out, it is paused itself (never a NoRoom that would fail every request) and
+    comes back, bit-identical to its run alone, once the prompt's pages are let go."""
+    tok = embedded.tokenizer
+    a = tok.encode(CONTEXT)[:40]
+    params = SlotParams(max_tokens=100, temperature=1.0, top_p=0.9, seed=11, stop_ids=())
+    alone = run(small, a, params, want_prompt_logprobs=False, salt=fresh_salt(), slot=0)
+    assert len(alone[1]) == 100  # 140 positions: 9 pages
+    held = tok.encode(" ".join(PROMPTS) * 8)[:113]
+    assert len(held) == 113
+    waiting = small.prefill(held, False, fresh_salt())  # holds 8 of the 16 pages: 8 + 9 > 16
+    preempted = small.page_stats().preemptions
+    out = [small.insert(small.prefill(a, False, fresh_salt()), 0, params)]
+    idle_calls = 0
+    while not out[-1].done:
+        step = small.decode()
+        got = [step.token(i, 0) for i in range(step.ids.shape[0]) if step.valid[i, 0]]
+        if not got:  # paused: the waiting prompt's pages go back to the pool (its insert would use them)
+            idle_calls += 1
+            del waiting
+        out += got
+    small.release(0)
+    assert idle_calls == 1 and small.page_stats().preemptions == preempted + 1
+    got = [(t.token_id, t.logprob, t.top_ids.copy(), t.top_logprobs.copy()) for t in out]
+    assert_identical((0, got, None), (0, alone[1], None))
+
+
 # ---- the host's page bookkeeping ---------------------------------------------------------------------------
 
 
