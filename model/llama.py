@@ -310,8 +310,12 @@ class Llama(nnx.Module):
                 qk = qg[:, 0, :, :, None, :].astype(jnp.float32) * keys[:, :, None].astype(jnp.float32)
                 scores = jnp.sum(qk, axis=-1)[:, :, :, None]
             else:
-                scores = jnp.einsum("btkgd,bkad->bkgta", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32,
-                                    precision=quant.precision(q.dtype))  # fmt: skip
+                # queries as [B, Hkv, G, T, D] going in: XLA:CPU then makes them the rows of its product (q x keys^T),
+                # and a row's arithmetic does not depend on how many rows there are, so a chunk of 16 or 32 positions
+                # computes them as one of 64 does. Given as [B, T, ...], they were the columns (keys x q^T), rounded
+                # by the column count: only chunks of 64 or more agreed.
+                scores = jnp.einsum("bkgtd,bkad->bkgta", qg.transpose(0, 2, 3, 1, 4), keys.astype(q.dtype),
+                                    preferred_element_type=jnp.float32, precision=quant.precision(q.dtype))  # fmt: skip
             scores = scores * (1.0 / np.sqrt(D))
             scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
             probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)

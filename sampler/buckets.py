@@ -9,12 +9,17 @@ from dataclasses import dataclass
 from tpuserve.sampler.config import EngineConfig
 
 MIN_BATCH_BUCKET = 2  # one row takes another kernel (a matrix-vector product) that rounds differently
-# The smallest chunk whose positions' results do not depend on the chunk: on XLA:CPU a chunk of 64 or more
+# The smallest chunk whose positions' results do not depend on the chunk: on XLA:CPU a chunk of 16 or more
 # positions computes each position's keys, values and hidden state with the same arithmetic whatever the chunk's
-# start, size (64, 128, 256) or attended length, while chunks of 16 or 32 round differently (measured; the prefix
-# cache's tests check it). So a prompt whose pages can be shared is prefilled in chunks of at least this many
-# positions, from any position; a prompt short enough for a smaller chunk neither reads nor names cached pages.
-SHARED_CHUNK = 64
+# start, size or attended length (its products take the positions as rows, see model/llama.py's attention), while
+# fewer than 8 rows round norms, rotary embedding and softmax differently (measured; the prefix cache's tests check
+# it). So a prompt whose pages can be shared is prefilled in chunks of at least this many positions, from any
+# position: a cache hit leaves a tail of 20 tokens to a 32-position chunk, not to a 64-position one.
+SHARED_CHUNK = 16
+# Prompts of up to this many tokens neither read nor name cached pages: several of them are prefilled by one
+# program (`together_shapes`), which is what keeps many new short requests cheap, and a page of a prompt that
+# short saves little.
+SMALL_PROMPT = 32
 
 
 def power_of_two_buckets(smallest: int, largest: int) -> list[int]:
@@ -45,9 +50,11 @@ class Buckets:
 
     @property
     def small_prompt(self) -> int:
-        """Prompts of up to this many tokens are one chunk smaller than SHARED_CHUNK: their pages are not shared."""
-        small = [s for s in self.chunk_sizes if s < SHARED_CHUNK]
-        return self.max_seq_len if len(small) == len(self.chunk_sizes) else max(small, default=0)
+        """Prompts of up to this many tokens (SMALL_PROMPT, or every prompt when no chunk size reaches
+        SHARED_CHUNK) are not shared."""
+        if all(s < SHARED_CHUNK for s in self.chunk_sizes):
+            return self.max_seq_len
+        return max((s for s in self.chunk_sizes if s <= SMALL_PROMPT), default=0)
 
     @classmethod
     def of(cls, cfg: EngineConfig) -> Buckets:
@@ -87,7 +94,7 @@ class Buckets:
             (size, bucket_for(size, self.attend)) for size in self.chunk_sizes if size <= self.small_prompt
         }
         for size in self.chunk_sizes:
-            if size > self.small_prompt or self.small_prompt == self.max_seq_len:
+            if size >= SHARED_CHUNK or self.small_prompt == self.max_seq_len:
                 shapes |= {(size, bucket_for(min(start + size, self.max_seq_len), self.attend))
                            for start in range(self.max_seq_len)}  # fmt: skip
         return shapes

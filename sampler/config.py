@@ -40,8 +40,8 @@ class EngineConfig:
     # The rows up to which a call makes N steps (an 8-row step costs little more than a 2-row one). null: the
     # smallest batch bucket.
     steps_per_call_rows: int | None = 8
-    # a prompt shorter than 64 tokens is padded to a power of two >= this (longer prompts' chunks to >= 64 tokens,
-    # what lets their pages be shared: sampler/programs.py)
+    # a chunk is padded to a power of two >= this (the chunks of a prompt over 32 tokens, whose pages may be
+    # shared, to >= 16 positions: sampler/buckets.py)
     min_prefill_bucket: int = 16
     # C: prompts are prefilled in chunks of at most C tokens; a running stream waits at most about one chunk of
     # someone else's prefill

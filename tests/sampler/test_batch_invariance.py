@@ -80,7 +80,7 @@ def test_prompts_prefilled_together_match_each_alone(together_engine, embedded, 
     import jax
 
     eng = together_engine
-    # prompts over 32 tokens are prefilled alone, in chunks of >= 64 (their pages may be shared)
+    # prompts over 32 tokens are prefilled alone (their pages may be shared)
     assert eng.together_shapes() == [(2, 16), (4, 16), (8, 16), (2, 32), (4, 32)]
     compiles: list[str] = []
 
