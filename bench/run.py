@@ -12,6 +12,7 @@ minutes once per machine, then reused); without it the llama rows print
 Every row shows the measurement, the baseline's, their ratio, the target and PASS/MISS; a row that could not be
 measured says "not run" or "error", never PASS. Row groups (`--only`, comma-separated; default all):
   single, many, ttft, ttft_load, logprobs   see bench/rows.py
+  ttft_streams  TTFT of a request arriving while 1, 4 and 16 streams decode: see bench/ttft_streams.py
   mixed, shared_system   a mixed load of short and ~3,000-token prompts; a shared system prompt: bench/mixed.py
   prefix     the prefix cache on vs off (two servers of their own): see bench/prefix.py
   quant      the GGUF's quantized blocks kept vs dequantized at load (two servers of their own): bench/quant.py
@@ -43,14 +44,15 @@ import time
 import traceback
 from collections.abc import Callable
 
-from bench import clients, mixed, rows, servers, workload
+from bench import clients, mixed, rows, servers, ttft_streams, workload
 from bench.hf import TORCH_THREADS
 from bench.table import FAILED, Row, Target, count_row, judged, markdown, not_run, write_json
 
-ALL = ["single", "ttft", "many", "logprobs", "ttft_load", "mixed", "shared_system", "compiles", "startup"]
+ALL = ["single", "ttft", "many", "logprobs", "ttft_load", "ttft_streams", "mixed", "shared_system", "compiles"]
+ALL += ["startup"]
 ALL += ["prefix", "quant", "multihost", "engine"]
-LLAMA_GROUPS = {"single", "ttft", "many", "ttft_load", "mixed", "shared_system"}
-GROUPS = {**rows.GROUPS, **mixed.GROUPS}  # the groups measured on the run's servers (measure_http)
+LLAMA_GROUPS = {"single", "ttft", "many", "ttft_load", "ttft_streams", "mixed", "shared_system"}
+GROUPS = {**rows.GROUPS, **ttft_streams.GROUPS, **mixed.GROUPS}  # the groups measured on the run's servers (measure_http)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -88,6 +88,7 @@ class Orchestrator:
         self._inflight: InFlight | None = None
         self._last_read = 0.0  # when the previous decode call's outputs were read (perf_counter)
         self._call_s: float | None = None  # how long the last decode call took (None: none yet)
+        self._step_s: float | None = None  # and per step
         self._closed: list[Running] = []  # finished since the last flush, events still to deliver
 
     # ---- called from the event loop -------------------------------------------------------------------
@@ -344,7 +345,10 @@ class Orchestrator:
         dispatched = time.perf_counter()
         try:
             steps = self.engine.next_call_steps()
-            result = self.engine.start_decode()
+            cap = self.policy.call_steps(len(self._free), self._step_s)
+            if cap is not None:
+                steps = min(steps, cap)
+            result = self.engine.start_decode(steps)
         except Exception as exc:
             log.exception("engine.start_decode failed")
             self._fail_all(f"engine error: {exc}", code=_code(exc))
@@ -361,6 +365,7 @@ class Orchestrator:
         now = time.perf_counter()
         # the call ran from its dispatch or from the end of the one before
         self._call_s = now - max(call.dispatched, self._last_read)
+        self._step_s = self._call_s / max(call.steps, 1)
         if self.on_decode is not None:
             self.on_decode(self._call_s)
         self._last_read = now

@@ -10,10 +10,18 @@ shorter than a chunk go through one `prefill_together`);
 insert them (the first token is sampled there); dispatch the next decode call unless nobody can use it; read back
 the previous call and the new first tokens; hand each request its events.
 
+A request that arrives while streams decode waits for the decode call on the device before its prefill runs.
+With a slot free (someone may arrive), a call therefore makes about `light_call_s` worth of steps, at least one
+(`call_steps`): one step on XLA:CPU, where a step lasts 30-80 ms at 1-16 rows, several on an accelerator. With
+every slot taken nobody can arrive into one, and the engine's own fused steps per call (8 at few rows) spare
+each call's fixed cost.
+
 One call stays in flight (call k+1 is dispatched before call k is read, so detokenizing and streaming overlap the
-device) while no slot is free, or while calls are short (`overlap_max_call_s`, e.g. on an accelerator). With a
-slot free and long calls (XLA:CPU), the call is read in the turn that dispatched it: a request arriving meanwhile
-is then prefilled right after that call, instead of after the one queued behind it too.
+device) while no slot is free, or while calls are short (`overlap_max_call_s`: an accelerator's). With a slot
+free and longer calls (XLA:CPU), the call is read in the turn that dispatched it: a request arriving meanwhile is
+then prefilled right after that call, instead of after the one queued behind it too. What that costs the
+running streams is the host's work between two calls (reading one, dispatching the next), which the device
+waits for.
 """
 
 from __future__ import annotations
@@ -28,11 +36,14 @@ if TYPE_CHECKING:
     from tpuserve.grpc_service.sample_tracker import SampleTracker
     from tpuserve.sampler.api import Engine
 
+# With a slot free, a decode call makes at most about this long's worth of steps (seconds; at least one step):
+# a request arriving meanwhile waits for the rest of the call before its prefill.
+LIGHT_CALL_S = 0.02
 # With a slot free, a decode call stays in flight only when calls last at most this long (seconds): the overlap
-# saves the host's work per call (milliseconds), and costs a request that arrives meanwhile one more call's wait
-# before its prefill. An XLA:CPU call lasts tenths of a second (there the overlap made time to first token under
-# load worse); an accelerator's, milliseconds.
-OVERLAP_MAX_CALL_S = 0.1
+# saves the host's work per call (a millisecond or two), and costs a request that arrives meanwhile one more
+# call's wait before its prefill. An XLA:CPU step lasts tens of milliseconds (there the overlap made time to first
+# token worse); an accelerator's, a few.
+OVERLAP_MAX_CALL_S = 0.025
 
 
 class Run(Protocol):
@@ -49,6 +60,7 @@ class Run(Protocol):
 class Policy:
     prefill_budget: int  # prompt tokens prefilled per turn while streams decode
     overlap_max_call_s: float = OVERLAP_MAX_CALL_S
+    light_call_s: float = LIGHT_CALL_S
 
     def admits(self, job: GenerationJob, free_slots: int, engine: Engine) -> bool:
         """Whether the request at the head of the queue starts now: first come, first served, so it waits for
@@ -90,6 +102,14 @@ class Policy:
             group.append(run)
             cost += engine.prefill_cost(n)
         return group, cost
+
+    def call_steps(self, free_slots: int, step_s: float | None) -> int | None:
+        """The most steps the next decode call may make: with a slot free, about `light_call_s` worth (at least
+        one), so a request arriving meanwhile soon gets its prefill; None (the engine's own number) when every
+        slot is taken, or before a call has been timed."""
+        if not free_slots or step_s is None:
+            return None
+        return max(1, int(self.light_call_s / max(step_s, 1e-9)))
 
     def keep_in_flight(self, free_slots: int, last_call_s: float | None) -> bool:
         """Whether the call just dispatched may stay in flight past this turn: yes when no request could take a

@@ -251,8 +251,10 @@ class Engine(abc.ABC):
     ) -> Pending[TokenOut]:
         return Pending.ready(self.insert(prefix, slot, params, allowed))
 
-    def start_decode(self) -> Pending[StepArrays]:
-        """Dispatch the next N decode steps. Outputs of a slot released meanwhile are to be ignored."""
+    def start_decode(self, max_steps: int | None = None) -> Pending[StepArrays]:
+        """Dispatch the next decode call: `next_call_steps()` steps, or fewer when `max_steps` (at least 1) says
+        so (the service shortens calls while a request could arrive). Outputs of a slot released meanwhile are to
+        be ignored."""
         return Pending.ready(self.decode())
 
     def set_fault_handler(self, on_fault: Callable[[str], None]) -> None:

@@ -541,8 +541,11 @@ class JaxEngine(Engine):
             return 1
         return min(steps for _, _, _, steps in self._groups())
 
-    def start_decode(self) -> Pending[StepArrays]:
+    def start_decode(self, max_steps: int | None = None) -> Pending[StepArrays]:
+        # steps_now is an input of the decode programs, not a shape: a shorter call compiles nothing
         steps_now = self.next_call_steps()
+        if max_steps is not None:
+            steps_now = max(1, min(steps_now, max_steps))
         self._make_room(steps_now)
         masks = self._free_masks
         if self._constrained[self._occupied].any():

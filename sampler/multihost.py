@@ -216,8 +216,9 @@ class LeaderEngine(Engine):
     def constrain(self, slot: int, allowed: np.ndarray | None) -> None:
         self._call(REPLICATED["constrain"], (slot, allowed), lambda: self.inner.constrain(slot, allowed))
 
-    def start_decode(self) -> Pending[StepArrays]:
-        return self._watched(self._call(REPLICATED["start_decode"], (), self.inner.start_decode))
+    def start_decode(self, max_steps: int | None = None) -> Pending[StepArrays]:
+        return self._watched(self._call(REPLICATED["start_decode"], (max_steps,),
+                                        lambda: self.inner.start_decode(max_steps)))  # fmt: skip
 
     def decode(self) -> StepArrays:
         return self.start_decode().result()
@@ -273,10 +274,10 @@ class _Follower:
     def insert(self, handle: int, slot: int, params: SlotParams, allowed: np.ndarray | None) -> None:
         self.engine.start_insert(self.prefixes[handle], slot, params, allowed)
 
-    def decode(self) -> None:
+    def decode(self, max_steps: int | None = None) -> None:
         if self.last is not None:
             self.last.result()
-        self.last = self.engine.start_decode()
+        self.last = self.engine.start_decode(max_steps)
 
     def stop(self) -> None:
         raise _Stop

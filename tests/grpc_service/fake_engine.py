@@ -81,6 +81,7 @@ class FakeEngine(Engine):
         steps_per_call: int = 4,
         script: Callable[[tuple[int, ...], int], Sequence[int]] | None = None,
         delay_s: float = 0.0,
+        step_delay_s: float = 0.0,
         prefill_chunk: int = 512,
         prefix_cache_bytes: int | None = 1 << 20,
         pages: PageStats | None = None,
@@ -93,7 +94,8 @@ class FakeEngine(Engine):
         self.pool = list(pool)
         self.script = script
         self.scripts: dict[tuple[int, ...], list[int]] = {}  # prompt -> the tokens every sample generates
-        self.delay_s = delay_s
+        self.delay_s = delay_s  # each decode call lasts this long, and step_delay_s per step it makes
+        self.step_delay_s = step_delay_s
         self.prefill_chunk = prefill_chunk
         # "prefill" (one step of one prompt), "decode" (when a decode call computes)
         self.log: list[str] = []
@@ -104,6 +106,7 @@ class FakeEngine(Engine):
         self.inserts: list[tuple[int, SlotParams]] = []
         self.releases: list[int] = []
         self.decode_calls = 0
+        self.call_steps: list[int] = []  # each decode call's steps, as dispatched
         self._active: dict[int, _Slot] = {}
         # prefix cache (None or 0 bytes: off): (salt, prompt[:BLOCK * k]) -> stored, least recently used first
         self.prefix_cache_bytes = prefix_cache_bytes or 0
@@ -220,11 +223,13 @@ class FakeEngine(Engine):
             self.log.append("prefill")
         return super().prefill_together(prompts, cache_salts)
 
-    def start_decode(self) -> Pending[StepArrays]:
+    def start_decode(self, max_steps: int | None = None) -> Pending[StepArrays]:
         """Deferred until read, as the real engine's asynchronous dispatch: the orchestrator dispatches the next
         call before it reads this one (and a held `gate` holds only the read)."""
         live = dict(self._active)  # what the call computes: the samples in the slots now, not later ones
-        return Pending(lambda: self.decode(only=live))
+        steps = self.steps_per_call if max_steps is None else max(1, min(max_steps, self.steps_per_call))
+        self.call_steps.append(steps)
+        return Pending(lambda: self.decode(only=live, steps=steps))
 
     def prompt_logprobs(self, prefix: FakePrefix) -> PromptLogprobs | None:
         tokens, wanted = prefix.tokens, prefix.wanted
@@ -248,16 +253,16 @@ class FakeEngine(Engine):
         self.inserts.append((slot, params))
         return self._token_out(state)
 
-    def decode(self, only: dict[int, _Slot] | None = None) -> StepArrays:
+    def decode(self, only: dict[int, _Slot] | None = None, steps: int | None = None) -> StepArrays:
         if self.gate is not None:
             self.gate.wait(30)
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        if self.delay_s or self.step_delay_s:
+            time.sleep(self.delay_s + self.step_delay_s * (steps or self.steps_per_call))
         if self.fail_decode:
             raise RuntimeError("fake decode failure")
         self.decode_calls += 1
         self.log.append("decode")
-        n, b = self.steps_per_call, self.slots
+        n, b = steps or self.steps_per_call, self.slots
         out = StepArrays(
             ids=np.zeros((n, b), np.int32),
             logprobs=np.zeros((n, b), np.float32),

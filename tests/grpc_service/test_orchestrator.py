@@ -326,10 +326,10 @@ def _spy_dispatches(engine: FakeEngine) -> list[int]:
     dispatched: list[int] = []
     start = engine.start_decode
 
-    def spy():
+    def spy(max_steps=None):
         dispatched.append(engine.decode_calls)
         engine.log.append("dispatch")
-        return start()
+        return start(max_steps)
 
     engine.start_decode = spy
     return dispatched
@@ -388,6 +388,38 @@ def test_calls_stay_in_flight_while_no_slot_is_free():
         orch.close()
     assert samples(events)[0][-1].completion_tokens == 11
     assert dispatched == [0, 0, 1, 2, 3]  # 1 + 5 calls of 2: each goes out before the one before is read
+    assert engine.call_steps == [2] * 5  # the engine's own steps: nobody can arrive into a slot
+
+
+def test_a_request_arriving_while_a_stream_decodes_waits_about_one_step_not_a_call():
+    """Steps of 40 ms, 8 to a call: with a slot free, calls make one step once a call has been timed, so a request
+    that arrives while a stream decodes is prefilled after the step on the device, not after 8 (320 ms)."""
+    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3], steps_per_call=8, step_delay_s=0.04)
+    orch = make(engine)
+
+    async def main():
+        running = orch.submit(job(max_tokens=400))
+        await running.events().__anext__()
+        while engine.decode_calls < 3:
+            await asyncio.sleep(0.005)
+        waits = []
+        for i in range(4):
+            await asyncio.sleep(0.013 * i)  # arriving at various points of a step
+            sent = time.monotonic()
+            stream = orch.submit(job(prompt=(3, 1), max_tokens=2))
+            await stream.events().__anext__()  # the first token
+            waits.append(time.monotonic() - sent)
+            await drain(stream)
+        orch.cancel(running)
+        await drain(running)
+        return waits
+
+    try:
+        waits = asyncio.run(main())
+    finally:
+        orch.close()
+    assert engine.call_steps[:2] == [8, 8] and set(engine.call_steps[2:]) == {1}  # timed: one step a call
+    assert max(waits) < 0.2, waits  # a step (40 ms) and the host's turn, never an 8-step call (320 ms)
 
 
 def test_a_long_prompt_is_prefilled_between_decode_calls():

@@ -87,8 +87,8 @@ class _Recording(Engine):
     def constrain(self, slot, allowed):
         self.log.append(("constrain", slot, None if allowed is None else allowed.tolist()))
 
-    def start_decode(self):
-        self.log.append(("decode",))
+    def start_decode(self, max_steps=None):
+        self.log.append(("decode", max_steps))
         return Pending.ready("decoded")
 
     def decode(self):
@@ -127,7 +127,7 @@ CALLS = {
     "prefill_steps": lambda e, prefix: list(e.prefill_steps([1, 2, 3, 4, 5, 6], True, "salt")),
     "start_insert": lambda e, prefix: e.start_insert(prefix, 1, SlotParams(max_tokens=3, seed=7)).result(),
     "constrain": lambda e, prefix: e.constrain(1, np.array([5, 6], np.int32)),
-    "start_decode": lambda e, prefix: e.start_decode().result(),
+    "start_decode": lambda e, prefix: e.start_decode(3).result(),  # a shortened call: max_steps is replayed
     "release": lambda e, prefix: e.release(1),
     "warm_up": lambda e, prefix: e.warm_up(compile=False),
     "stop_group": lambda e, prefix: e.stop_group(),

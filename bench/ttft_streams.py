@@ -1,0 +1,104 @@
+"""Row group `ttft_streams` of `make bench`: time to first token of a request that arrives while a few streams
+decode (1, 4 and 16), against llama-server in the same run, alternating (A, B, A, B, ...; medians).
+
+Each round starts the load streams (long completions), waits until every one has text, then sends probes one
+after the other: each probe is a streamed completion of a new ~20-token prompt whose client reads the first
+text and then closes the stream (as eval harnesses and impatient users do); the next probe follows at once, so
+it also meets whatever the server still does for the one that left. The row's figure is the median probe TTFT
+(request sent -> first text) over every round; target <= 2x llama-server's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from bench import clients, workload
+from bench.rows import COMPLETIONS, Context, Side, _s, alternate, log, median
+from bench.table import Row, Target, judged, not_run
+
+
+async def probes_while_decoding(
+    base_url: str, load: Sequence[dict[str, Any]], probes: Sequence[dict[str, Any]], settle_s: float
+) -> tuple[list[clients.StreamResult], int]:
+    """Start the `load` streams; once each has text (or `settle_s` after they were sent) send the `probes` one
+    after the other, each closed at its first text. Returns the probes' results and how many load streams had
+    text when the first probe was sent; every stream is closed at the end."""
+    async with clients.make_client(base_url, len(load) + 2) as client:
+        events = [asyncio.Event() for _ in load]
+        tasks = [asyncio.create_task(clients.stream(client, COMPLETIONS, b, e)) for b, e in zip(load, events)]
+        try:
+            waits = [asyncio.create_task(e.wait()) for e in events]
+            await asyncio.wait(waits, timeout=settle_s)
+            for w in waits:
+                w.cancel()
+            decoding = sum(e.is_set() for e in events)
+            results = []
+            for body in probes:
+                got, result = asyncio.Event(), clients.StreamResult(sent=0.0)
+                task = asyncio.create_task(clients.stream(client, COMPLETIONS, body, got, result))
+                waiter = asyncio.create_task(got.wait())
+                await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+                for t in (task, waiter):
+                    t.cancel()  # the probe's connection closes: the server sees its client go
+                await asyncio.gather(task, waiter, return_exceptions=True)
+                results.append(result)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return results, decoding
+
+
+def ttft_streams(ctx: Context) -> list[Row]:
+    p = ctx.plan
+    sides = [ctx.tpu] + ([ctx.llama] if ctx.llama else [])
+    out: list[Row] = []
+    ctx.raw["ttft_streams"] = {}
+    for streams in p.streams_counts:
+
+        def step(side: Side, streams: int = streams) -> Callable[[int], tuple[list[float], int]]:
+            def run(rep: int) -> tuple[list[float], int]:
+                side.idle()
+                first = 100 * (rep + 1)  # seeds of their own
+                load = workload.completions(side.flavour, streams, p.streams_load_tokens, first=first)
+                probes = workload.completions(side.flavour, p.streams_probes, p.ttft_tokens, first=first + 50)
+                results, decoding = clients.run(
+                    lambda: probes_while_decoding(side.server.base_url, load, probes, p.load_settle_s)
+                )
+                side.idle()  # the closed load streams leave
+                bad = [r for r in results if r.ttft is None]
+                if bad:
+                    raise RuntimeError(f"{side.name}: a probe got no text ({bad[0].error or bad[0].finish_reason})")
+                return [r.ttft for r in results], decoding
+
+            return run
+
+        log(f"TTFT while {streams} streams decode, {p.streams_probes} probes a round: "
+            f"{', '.join(s.name for s in sides)}")  # fmt: skip
+        samples = alternate([step(s) for s in sides], p.reps)
+        ctx.raw["ttft_streams"][streams] = {
+            side.name: [{"ttft_s": t, "decoding": d} for t, d in s] for side, s in zip(sides, samples)
+        }
+        values = [median([x for ts, _ in s for x in ts]) for s in samples]
+        spread = [
+            f"{side.name} {_s(min(x for ts, _ in s for x in ts))}-{_s(max(x for ts, _ in s for x in ts))}"
+            for side, s in zip(sides, samples)
+        ]
+        decoding = [min(d for _, d in s) for s in samples]
+        note = "; ".join(
+            [f"{side.name}: {d}/{streams} streams had text at the first probe" for side, d in zip(sides, decoding)]
+            + ["range " + ", ".join(spread)]
+        )
+        name = f"TTFT of a request arriving while {streams} stream{'s' if streams > 1 else ''} decode, vs llama-server"
+        target = Target("<=", 2.0)
+        if not ctx.llama:
+            out.append(not_run("ttft_streams", name, target, "no --llama-server; " + note, _s(values[0])))
+            continue
+        base = f"llama-server, same load: {_s(values[1])}"
+        out.append(judged("ttft_streams", name, _s(values[0]), base, values[0] / values[1], target, note))
+    return out
+
+
+GROUPS = {"ttft_streams": ttft_streams}
