@@ -48,11 +48,11 @@ from bench import clients, mixed, rows, servers, ttft_streams, workload
 from bench.hf import TORCH_THREADS
 from bench.table import FAILED, Row, Target, count_row, judged, markdown, not_run, write_json
 
-ALL = ["single", "ttft", "many", "logprobs", "ttft_load", "ttft_streams", "mixed", "shared_system", "compiles"]
-ALL += ["startup"]
-ALL += ["prefix", "quant", "multihost", "engine"]
+ALL = ["single", "ttft", "many", "logprobs", "ttft_load", "ttft_streams", "mixed", "shared_system"]
+ALL += ["compiles", "startup", "prefix", "quant", "multihost", "engine"]
 LLAMA_GROUPS = {"single", "ttft", "many", "ttft_load", "ttft_streams", "mixed", "shared_system"}
-GROUPS = {**rows.GROUPS, **ttft_streams.GROUPS, **mixed.GROUPS}  # the groups measured on the run's servers (measure_http)
+# the groups measured on the run's servers (measure_http)
+GROUPS = {**rows.GROUPS, **ttft_streams.GROUPS, **mixed.GROUPS}
 
 
 def _parser() -> argparse.ArgumentParser:

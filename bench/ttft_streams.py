@@ -11,20 +11,24 @@ it also meets whatever the server still does for the one that left. The row's fi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from bench import clients, workload
-from bench.rows import COMPLETIONS, Context, Side, _s, alternate, log, median
+from bench.rows import COMPLETIONS, TTFT_PARTS, Context, Side, _s, _ttft_parts, alternate, log, median
 from bench.table import Row, Target, judged, not_run
 
 
 async def probes_while_decoding(
-    base_url: str, load: Sequence[dict[str, Any]], probes: Sequence[dict[str, Any]], settle_s: float
+    base_url: str,
+    load: Sequence[dict[str, Any]],
+    probes: Sequence[dict[str, Any]],
+    settle_s: float,
+    settled: Callable[[], Awaitable[Any]] | None = None,
 ) -> tuple[list[clients.StreamResult], int]:
-    """Start the `load` streams; once each has text (or `settle_s` after they were sent) send the `probes` one
-    after the other, each closed at its first text. Returns the probes' results and how many load streams had
-    text when the first probe was sent; every stream is closed at the end."""
+    """Start the `load` streams; once each has text (or `settle_s` after they were sent) await `settled()` if
+    given, then send the `probes` one after the other, each closed at its first text. Returns the probes' results
+    and how many load streams had text when the first probe was sent; every stream is closed at the end."""
     async with clients.make_client(base_url, len(load) + 2) as client:
         events = [asyncio.Event() for _ in load]
         tasks = [asyncio.create_task(clients.stream(client, COMPLETIONS, b, e)) for b, e in zip(load, events)]
@@ -34,6 +38,8 @@ async def probes_while_decoding(
             for w in waits:
                 w.cancel()
             decoding = sum(e.is_set() for e in events)
+            if settled is not None:
+                await settled()
             results = []
             for body in probes:
                 got, result = asyncio.Event(), clients.StreamResult(sent=0.0)
@@ -57,20 +63,32 @@ def ttft_streams(ctx: Context) -> list[Row]:
     out: list[Row] = []
     ctx.raw["ttft_streams"] = {}
     for streams in p.streams_counts:
+        parts: dict[str, list] = {side.name: [] for side in sides}
 
-        def step(side: Side, streams: int = streams) -> Callable[[int], tuple[list[float], int]]:
+        def step(
+            side: Side, streams: int = streams, parts: dict = parts
+        ) -> Callable[[int], tuple[list[float], int]]:
             def run(rep: int) -> tuple[list[float], int]:
                 side.idle()
                 first = 100 * (rep + 1)  # seeds of their own
                 load = workload.completions(side.flavour, streams, p.streams_load_tokens, first=first)
                 probes = workload.completions(side.flavour, p.streams_probes, p.ttft_tokens, first=first + 50)
-                results, decoding = clients.run(
-                    lambda: probes_while_decoding(side.server.base_url, load, probes, p.load_settle_s)
-                )
+                marks: list[dict[str, float | None]] = []
+
+                async def settled() -> None:  # the backend's TTFT parts before the probes (tpuserve only)
+                    if side.server.metrics_url:
+                        marks.append(await asyncio.to_thread(_ttft_parts, side))
+
+                results, decoding = clients.run(lambda: probes_while_decoding(
+                    side.server.base_url, load, probes, p.load_settle_s, settled))  # fmt: skip
+                if marks:
+                    parts[side.name].append((marks[0], _ttft_parts(side)))
                 side.idle()  # the closed load streams leave
                 bad = [r for r in results if r.ttft is None]
                 if bad:
-                    raise RuntimeError(f"{side.name}: a probe got no text ({bad[0].error or bad[0].finish_reason})")
+                    raise RuntimeError(
+                        f"{side.name}: a probe got no text ({bad[0].error or bad[0].finish_reason})"
+                    )
                 return [r.ttft for r in results], decoding
 
             return run
@@ -88,8 +106,12 @@ def ttft_streams(ctx: Context) -> list[Row]:
         ]
         decoding = [min(d for _, d in s) for s in samples]
         note = "; ".join(
-            [f"{side.name}: {d}/{streams} streams had text at the first probe" for side, d in zip(sides, decoding)]
+            [
+                f"{side.name}: {d}/{streams} streams had text at the first probe"
+                for side, d in zip(sides, decoding)
+            ]
             + ["range " + ", ".join(spread)]
+            + [_inside(parts[ctx.tpu.name])]
         )
         name = f"TTFT of a request arriving while {streams} stream{'s' if streams > 1 else ''} decode, vs llama-server"
         target = Target("<=", 2.0)
@@ -99,6 +121,22 @@ def ttft_streams(ctx: Context) -> list[Row]:
         base = f"llama-server, same load: {_s(values[1])}"
         out.append(judged("ttft_streams", name, _s(values[0]), base, values[0] / values[1], target, note))
     return out
+
+
+def _inside(marks: list[tuple[dict, dict]]) -> str:
+    """The probes' mean time inside tpuserve's backend, by part (its TTFT histograms around the probes)."""
+    sums = {k: 0.0 for k in ("total", *TTFT_PARTS)}
+    n = 0.0
+    for before, after in marks:
+        if any(v is None for v in (*before.values(), *after.values())):
+            return "tpuserve's backend metrics: not read"
+        n += after["total_count"] - before["total_count"]
+        for k in sums:
+            sums[k] += after[f"{k}_sum"] - before[f"{k}_sum"]
+    if not n:
+        return "tpuserve's backend metrics: no probe counted"
+    parts = " + ".join(f"{1000 * sums[k] / n:.0f} ms {k.replace('_', ' ')}" for k in TTFT_PARTS)
+    return f"tpuserve inside the backend: {1000 * sums['total'] / n:.0f} ms = {parts}"
 
 
 GROUPS = {"ttft_streams": ttft_streams}

@@ -154,7 +154,7 @@ class Orchestrator:
         if on_ready is not None:
             on_ready(error)
         try:
-            while error is None and self._take_commands():
+            while error is None and self._await_call() and self._take_commands():
                 try:
                     self._turn()
                 except Exception:  # never let the engine thread die: fail what is running, keep serving
@@ -165,6 +165,19 @@ class Orchestrator:
             self._stopped.set()
             self._fail_all("the server is shutting down", include_queued=True)
             self._publish()
+
+    def _await_call(self) -> bool:
+        """Wait for the call in flight when the next one must follow it (InFlight.next_after): the next turn then
+        admits what arrived meanwhile and dispatches the next call at once, and reads this one's tokens while
+        the device computes it. True (the loop goes on)."""
+        call = self._inflight
+        if call is not None and call.next_after and call.done is None:
+            try:
+                call.result.result()
+            except Exception:  # noqa: BLE001 -- raised again where the call is read (_read_decode)
+                pass
+            call.done = time.perf_counter()
+        return True
 
     def _busy(self) -> bool:
         return bool(self._owner or self._waiting or self._prefilling or self._inflight or self._firsts)
@@ -205,9 +218,7 @@ class Orchestrator:
         self._read_first_tokens()
         self._flush_outboxes()  # first tokens go out before a call dispatched behind their insert is read
         if self._inflight is not None and not self.policy.keep_in_flight(len(self._free), self._call_s):
-            call, self._inflight = self._inflight, None
-            self._read_decode(call)
-            self._flush_outboxes()
+            self._inflight.next_after = True
 
     def _constrained_slots(self) -> list[tuple[int, Constraint]]:
         """(slot, grammar) of every sample in a slot that decodes under a grammar."""
@@ -362,7 +373,7 @@ class Orchestrator:
             log.exception("engine decode call failed")
             self._fail_all(f"engine error: {exc}", code=_code(exc))
             return
-        now = time.perf_counter()
+        now = call.done or time.perf_counter()
         # the call ran from its dispatch or from the end of the one before
         self._call_s = now - max(call.dispatched, self._last_read)
         self._step_s = self._call_s / max(call.steps, 1)

@@ -52,3 +52,7 @@ class InFlight:
     owners: dict[int, tuple[Running, int]]  # slot -> (request, sample) when the call was dispatched
     dispatched: float  # time.perf_counter()
     steps: int  # tokens the call makes per sample at most
+    # the next call is dispatched only once this one is done (scheduling.py): the engine thread waits for it before
+    # it takes new commands, so a request that arrived meanwhile is prefilled before the next call
+    next_after: bool = False
+    done: float | None = None  # when it was seen done (perf_counter), if it was waited for

@@ -18,10 +18,10 @@ each call's fixed cost.
 
 One call stays in flight (call k+1 is dispatched before call k is read, so detokenizing and streaming overlap the
 device) while no slot is free, or while calls are short (`overlap_max_call_s`: an accelerator's). With a slot
-free and longer calls (XLA:CPU), the call is read in the turn that dispatched it: a request arriving meanwhile is
-then prefilled right after that call, instead of after the one queued behind it too. What that costs the
-running streams is the host's work between two calls (reading one, dispatching the next), which the device
-waits for.
+free and longer calls (XLA:CPU), the next call is dispatched only once the one in flight is done: a request
+arriving meanwhile is then prefilled right after that call, instead of after the one queued behind it too. The
+device waits meanwhile for the host to take the commands and dispatch the next call (about a millisecond); the
+done call's tokens are read, detokenized and streamed while the next one computes.
 """
 
 from __future__ import annotations
