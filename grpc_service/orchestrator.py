@@ -174,8 +174,8 @@ class Orchestrator:
         if call is not None and call.next_after and call.done is None:
             try:
                 call.result.result()
-            except Exception:  # noqa: BLE001 -- raised again where the call is read (_read_decode)
-                pass
+            except Exception:  # noqa: BLE001 -- raised again where the call is read, which fails what it must
+                log.debug("the decode call in flight failed; its reader reports it")
             call.done = time.perf_counter()
         return True
 
