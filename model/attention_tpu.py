@@ -2,12 +2,14 @@
 
 On TPU the engine's decode attention reads the KV pool's pages in place with jax's own Pallas kernel
 (`jax.experimental.pallas.ops.tpu.paged_attention`): per row and KV head it DMAs only the pages the row's page
-table names, block by block, with an online softmax. The XLA path (`reference_decode_attention`) gathers every
-row's pages into a contiguous [B, Hkv, n*page, D] copy first; that is what CPU uses (Pallas TPU kernels do not
-compile for XLA:CPU; `interpret=True` runs the kernel in jax's TPU interpreter, for tests only: it is slow).
+table names, block by block, with an online softmax (EngineConfig.decode_attention; model/llama.py's
+`paged_kernel_attention` calls it). The XLA path (`reference_decode_attention`) gathers every row's pages into a
+contiguous [B, Hkv, n*page, D] copy first; that is what CPU uses (Pallas TPU kernels do not compile for XLA:CPU;
+`interpret=True` runs the kernel in jax's TPU interpreter, for tests only: it is slow).
 
-Layout (one layer):
-- k_pages, v_pages: [P, Hkv, page, D]. Page 0 is the null page (zeros, never written); unused table entries are 0.
+Layout (the kernel's own, so nothing is transposed on the way in: the engine's pool [Hkv, L, P, page, D] is
+passed whole as [Hkv, L * P, page, D], a free reshape):
+- k_pages, v_pages: [Hkv, P, page, D]. Page 0 is the null page (zeros, never written); unused table entries are 0.
 - table: [B, n] int32, row b's logical page j is physical page table[b, j] (n static).
 - q: [B, Hkv, G, D], one query token per row at position lengths[b] - 1; query head h = kv_head * G + g.
 - lengths: [B] int32, tokens in the cache including the current one, at most n * page; 0 for an idle row.
@@ -56,12 +58,12 @@ def default_pages_per_compute_block(n: int, page: int) -> int:
 def _check_shapes(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array, table: jax.Array):
     if q.ndim != 4 or k_pages.ndim != 4:
         raise ValueError(
-            f"q must be [B, Hkv, G, D] and pages [P, Hkv, page, D]; got {q.shape}, {k_pages.shape}"
+            f"q must be [B, Hkv, G, D] and pages [Hkv, P, page, D]; got {q.shape}, {k_pages.shape}"
         )
     batch, kv_heads, _, head_dim = q.shape
     if k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ")
-    if k_pages.shape[1] != kv_heads or k_pages.shape[3] != head_dim:
+    if k_pages.shape[0] != kv_heads or k_pages.shape[3] != head_dim:
         raise ValueError(f"pages {k_pages.shape} do not match q {q.shape} (Hkv and D)")
     if lengths.shape != (batch,) or table.ndim != 2 or table.shape[0] != batch:
         raise ValueError(
@@ -92,20 +94,15 @@ def paged_decode_attention(
     block = pages_per_compute_block or default_pages_per_compute_block(n, page)
     if n % block:
         raise ValueError(f"pages_per_compute_block={block} must divide the table's {n} pages per row")
-    # The kernel wants [Hkv, P, page, D] (one KV head's pages contiguous). This swap is a real transpose: XLA
-    # copies the whole layer's K and V pools (every page, used or not) on each call, i.e. it reads and writes
-    # 2 x the pool's bytes per layer per decode step, which for a pool bigger than the live tokens costs more
-    # HBM traffic than the attention itself. It cannot be a free relayout: the kernel is a custom call whose
-    # operands take the default row-major layout. A pool stored as [Hkv, P, page, D] avoids it entirely; the
-    # kernel then reads the pages in place.
-    k_t = jnp.swapaxes(k_pages, 0, 1)
-    v_t = jnp.swapaxes(v_pages, 0, 1)
+    # The pages go in as they are: [Hkv, P, page, D] is the kernel's layout. Any other layout would need a
+    # transpose here, a copy of every page (used or not) of K and V per layer per decode step: the kernel is a
+    # custom call whose operands take the default row-major layout, so XLA cannot make it a free relayout.
     # The kernel does not scale the logits. q goes in as fp32: the kernel casts it to fp32 anyway, and when G is
     # a multiple of 8 it keeps its running output in q's dtype (otherwise fp32), so a bf16 q would round the
     # output at every compute block; fp32 q keeps that accumulation fp32 at the cost of B*H*D*4 bytes.
     q32 = (q.astype(jnp.float32) * (1.0 / math.sqrt(head_dim))).reshape(batch, kv_heads * groups, head_dim)
     call = functools.partial(paged_attention, pages_per_compute_block=block)
-    args = (q32, k_t, v_t, lengths.astype(jnp.int32), table.astype(jnp.int32))
+    args = (q32, k_pages, v_pages, lengths.astype(jnp.int32), table.astype(jnp.int32))
     if interpret:
         with pltpu.force_tpu_interpret_mode():  # read at trace time; part of the jit cache key
             out = call(*args)
@@ -124,9 +121,9 @@ def reference_decode_attention(
     batch, kv_heads, _, head_dim = q.shape
     tokens = table.shape[1] * k_pages.shape[2]
 
-    def rows(pages: jax.Array) -> jax.Array:  # [P, Hkv, page, D] -> [B, Hkv, n*page, D]
-        gathered = pages[table]  # [B, n, Hkv, page, D]
-        return jnp.swapaxes(gathered, 1, 2).reshape(batch, kv_heads, tokens, head_dim).astype(jnp.float32)
+    def rows(pages: jax.Array) -> jax.Array:  # [Hkv, P, page, D] -> [B, Hkv, n*page, D]
+        gathered = pages[:, table]  # [Hkv, B, n, page, D]
+        return jnp.swapaxes(gathered, 0, 1).reshape(batch, kv_heads, tokens, head_dim).astype(jnp.float32)
 
     k, v = rows(k_pages), rows(v_pages)
     logits = jnp.einsum("bhgd,bhtd->bhgt", q.astype(jnp.float32), k) / math.sqrt(head_dim)

@@ -20,15 +20,31 @@ The module's own layout (`module_params`) differs from that canonical one, for s
   over per-layer arrays: XLA:CPU copies the weight slice a scan body takes from a stacked array, so unrolled
   decodes ~20 % faster there, but compiles 3-6x longer (TPU/GPU read the slice in place).
 
-KV cache: pages. `KVCache(k, v, table)`: k, v each [L, P, Hkv, page, D] (layer, page, kv head, position in the page,
-head dim), one pool of P pages shared by every row, and `table` [B, pages] int32: row b's positions
+KV cache: pages. `KVCache(k, v, table)`: k, v each [Hkv, L, P, page, D] (kv head, layer, page, position in the
+page, head dim), one pool of P pages shared by every row, and `table` [B, pages] int32: row b's positions
 j*page..(j+1)*page-1 live in page table[b, j]. Page 0 is the null page: never written (a write that would land in
 it is dropped), so a table's unused entries read zeros. A token at position p of row b is written at
-[:, table[b, p // page], :, p % page]; a page holds a head's positions contiguously. Attention gathers a row's
-first `attend_len` positions (a static bucket >= the longest live sequence) into [B, Hkv, A, D] and computes what a
-contiguous cache would: XLA fuses the gather into the reads (measured on XLA:CPU: a decode step's attention costs
-about what it did over a dense per-row cache), and a row's result does not depend on which pages hold it. Entries
-past a sequence's length are stale or zeros and are masked by position (key position <= query position).
+[:, layer, table[b, p // page], p % page]; a page holds a head's positions contiguously. Attention reads a row's
+first `attend_len` positions (a static bucket >= the longest live sequence) in one of two ways (the call's
+`decode_attention`): it gathers them into [B, Hkv, A, D] and computes what a contiguous cache would (XLA fuses the
+gather into the reads; measured on XLA:CPU, a decode step's attention costs about what it did over a dense per-row
+cache), or, for a decode step, jax's Pallas TPU kernel reads the pages in place (`paged_kernel_attention`). A
+row's result does not depend on which pages hold it. Entries past a sequence's length are stale or zeros and are
+masked by position (key position <= query position).
+
+Why [Hkv, L, P, page, D]: the kernel reads [Hkv, pages, page, D], and this pool is that as it stands, all layers
+at once: reshaped to [Hkv, L * P, page, D] (leading dimensions merged: no copy on any backend, TPU's tiled
+layouts included, which tile only the last two dimensions) with layer l's page j at l * P + j. So no transpose
+(a copy of the whole pool per layer per step, which would defeat paging) and no layer slice reach the kernel:
+a static slice of a stacked [L, ...] pool (unrolled layers) is an operand of its own, which XLA materializes as a
+copy of that layer's pool unless it aliases the slice in place (nothing promises that for a custom call's operand;
+not checked on a TPU here; tpu-inference sidesteps it with a list of per-layer KV arrays), and a scanned layer
+index makes it a dynamic slice, a copy. Here both layer modes hand the kernel the whole pool and a table offset.
+The gather path pays nothing for the layout on XLA:CPU: the engine's decode program on the embedded model
+(scanned layers, fp32, best of 10 calls, the layouts' calls interleaved) per step, this layout against the former
+[L, P, Hkv, page, D]: 1 row x 128 positions 29.3 vs 29.3 ms, 1 x 1024: 47.6 vs 52.5 ms, 64 x 128: 151.7 vs
+160.3 ms, 64 x 1024: 430.8 vs 555.8 ms ([L, Hkv, P, page, D] measured the same as this one). The KV-head axis
+leads, so a mesh splits the pool over KV heads as before (CACHE_AXES).
 """
 
 from __future__ import annotations
@@ -39,7 +55,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 from tpuserve.model import quant
+from tpuserve.model.attention_tpu import paged_decode_attention
 from tpuserve.model.config import ModelConfig, rope_inv_freq
 from tpuserve.model.quant import linear, take_rows
 
@@ -63,7 +81,7 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "w_up": ("layers", "mlp", "embed"),
     "w_down": ("layers", "embed", "mlp"),
 }
-CACHE_AXES = ("layers", None, "kv_heads", None, None)  # [L, P, Hkv, page, D]: pages are not rows
+CACHE_AXES = ("kv_heads", "layers", None, None, None)  # [Hkv, L, P, page, D]: pages are not rows
 
 # The module's layer parameters and their logical axes, per layer (a stacked module puts "layers" in front).
 BLOCK_AXES: dict[str, tuple[str | None, ...]] = {
@@ -79,8 +97,8 @@ TOP_PARAMS = ("embed", "final_norm", "lm_head")
 
 
 class KVCache(NamedTuple):
-    k: jax.Array  # [L, P, Hkv, page, D]
-    v: jax.Array  # [L, P, Hkv, page, D]
+    k: jax.Array  # [Hkv, L, P, page, D]
+    v: jax.Array  # [Hkv, L, P, page, D]
     table: jax.Array  # [B, pages] int32: each row's pages in position order; 0 = none (the null page)
 
 
@@ -133,11 +151,37 @@ def module_params(cfg: ModelConfig, params: dict[str, jax.Array], scan_layers: b
     return out
 
 
+def pool_shape(cfg: ModelConfig, pages: int, page: int) -> tuple[int, ...]:
+    """The shape of a pool's keys (and of its values): [Hkv, L, P, page, D] for P = `pages` pages of `page`."""
+    return (cfg.num_kv_heads, cfg.num_layers, pages, page, cfg.head_dim)
+
+
+def pool_pages(pool: jax.Array) -> int:
+    """The number of pages of a pool's keys or values (the null page included)."""
+    return pool.shape[2]
+
+
+def take_pages(pool: jax.Array, pages: jax.Array) -> jax.Array:
+    """Every head's and layer's keys (or values) of `pages` [n] (or one page): [Hkv, L, n, page, D]."""
+    return pool[:, :, pages]
+
+
+def put_pages(pool: jax.Array, pages: jax.Array, values: jax.Array) -> jax.Array:
+    """`values` (as `take_pages` gives them) written at `pages`; a page past the pool is skipped."""
+    return pool.at[:, :, pages].set(values, mode="drop")
+
+
+def write_tokens(pool: jax.Array, li: Any, where: jax.Array, offset: jax.Array, new: jax.Array) -> jax.Array:
+    """new [B, T, Hkv, D] written into layer li at page where[b, t], position offset[b, t] (a page past the
+    pool drops the write)."""
+    return pool.at[:, li, where, offset].set(new.transpose(2, 0, 1, 3).astype(pool.dtype), mode="drop")
+
+
 def init_pages(
     cfg: ModelConfig, pages: int, page: int, dtype: jnp.dtype = jnp.float32
 ) -> tuple[jax.Array, jax.Array]:
     """A pool of `pages` pages (page 0, the null page, included), zeros: (k, v)."""
-    shape = (cfg.num_layers, pages, cfg.num_kv_heads, page, cfg.head_dim)
+    shape = pool_shape(cfg, pages, page)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 
@@ -158,13 +202,42 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = j
 
 
 def gather_pages(pages: jax.Array, li: Any, table: jax.Array, attend_len: int) -> jax.Array:
-    """Layer li's first `attend_len` positions of each row, [B, Hkv, A, D], from pages [L, P, Hkv, page, D] through
-    table [B, >= A / page] (one gather from the whole pool: a scan's layer index never copies a layer)."""
-    B, page = table.shape[0], pages.shape[3]
+    """Layer li's first `attend_len` positions of each row, [B, Hkv, A, D], from a pool [Hkv, L, P, page, D]
+    through table [B, >= A / page] (one gather from the whole pool: a scan's layer index never copies a layer)."""
+    B, page, D = table.shape[0], pages.shape[3], pages.shape[4]
     n = -(-attend_len // page)
-    got = pages[li, table[:, :n]]  # [B, n, Hkv, page, D]
-    got = got.transpose(0, 2, 1, 3, 4).reshape(B, pages.shape[2], n * page, pages.shape[4])
-    return got[:, :, :attend_len]
+    got = pages[:, li, table[:, :n]].transpose(1, 0, 2, 3, 4)  # [Hkv, B, n, page, D] -> [B, Hkv, n, page, D]
+    return got.reshape(B, pages.shape[0], n * page, D)[:, :, :attend_len]
+
+
+def paged_kernel_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, li: Any, table: jax.Array,
+                           lengths: jax.Array, attend_len: int, mesh: Mesh | None = None) -> jax.Array:  # fmt: skip
+    """One decode step's attention in layer li with jax's Pallas TPU kernel (model/attention_tpu.py), reading the
+    pool's pages in place: q [B, Hkv, G, D], table [B, >= attend_len / page], lengths [B] (keys 0..lengths-1, at
+    most attend_len) -> [B, Hkv, G, D]. The pool [Hkv, L, P, page, D] is seen as [Hkv, L * P, page, D] (a
+    reshape of leading dimensions: no copy, whatever the layer index) with layer li's page j at li * P + j, so
+    neither a stacked pool's layer slice nor a transpose reaches the kernel. Off TPU it runs in jax's TPU
+    interpreter (slow: tests only). K and V are cast to bf16 inside the kernel (attention_tpu's docstring).
+
+    With a mesh the kernel runs per device under `shard_map` on the device's own KV heads (CACHE_AXES: the pool
+    is split over "model" where that divides the KV heads, else whole on every device): XLA cannot partition a
+    Pallas kernel by itself."""
+    Hkv, L, P, page, D = k_pool.shape
+    n = -(-attend_len // page)
+    pages = (table[:, :n] + li * P).astype(jnp.int32)
+    interpret = jax.default_backend() != "tpu"
+
+    def attend(q, k_pool, v_pool, lengths, pages):
+        heads = k_pool.shape[0]
+        k, v = (x.reshape(heads, L * P, page, D) for x in (k_pool, v_pool))
+        return paged_decode_attention(q, k, v, lengths, pages, interpret=interpret)
+
+    if mesh is None or mesh.size == 1:
+        return attend(q, k_pool, v_pool, lengths, pages)
+    split = "model" if "model" in mesh.shape and Hkv % mesh.shape["model"] == 0 else None
+    heads, pool_spec, whole = PartitionSpec(None, split), PartitionSpec(split), PartitionSpec()
+    return jax.shard_map(attend, mesh=mesh, in_specs=(heads, pool_spec, pool_spec, whole, whole), out_specs=heads,
+                         check_vma=False)(q, k_pool, v_pool, lengths, pages)  # fmt: skip
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -254,6 +327,8 @@ class Llama(nnx.Module):
         attend_len: int,
         live_rows: int | None = None,
         write: jax.Array | None = None,
+        decode_attention: str = "gather",
+        mesh: Mesh | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """tokens, positions: [B, T] int32 (contiguous positions per row) for the cache's table rows 0..B-1 (the
         table may hold more rows: decode runs on the smallest batch bucket that covers the live slots).
@@ -264,6 +339,11 @@ class Llama(nnx.Module):
         `live_rows` (static): only rows 0..live_rows-1 matter; the weight products skip the others (zeros), while
         every other operation still sees B rows (see sampler.programs.decode_program: XLA:CPU rounds the norms,
         rotary embedding and softmax of fewer than 8 rows differently, its products do not).
+        `decode_attention` (static): "pallas" runs a decode step's attention (T = 1) with jax's Pallas TPU kernel
+        over the pool in place (`paged_kernel_attention`; in jax's TPU interpreter off TPU: slow, for tests);
+        "gather" (and every T > 1, and a model with a sliding window, which the kernel lacks) gathers pages. On
+        the kernel path a row whose `write` is off attends to nothing (its hidden state is not the gather path's:
+        decode discards such rows' outputs). `mesh` (static): the mesh the pool is placed on, for the kernel.
         """
         cfg = self.cfg
         B, T = tokens.shape
@@ -271,7 +351,7 @@ class Llama(nnx.Module):
         G = Hq // Hkv
         x = take_rows(self.embed.get_value(), tokens)
         inv_freq = self.inv_freq[...]
-        P, page = cache.k.shape[1], cache.k.shape[3]
+        P, page = pool_pages(cache.k), cache.k.shape[3]
         table = cache.table
         slot = jnp.clip(positions // page, 0, table.shape[1] - 1)
         where = jnp.take_along_axis(table[:B], slot, axis=1)  # [B, T]: each new token's page
@@ -285,24 +365,22 @@ class Llama(nnx.Module):
         if cfg.sliding_window:  # and no further back than the window (the cache still holds every position)
             mask &= key_pos[None, None, :] > positions[:, :, None] - cfg.sliding_window
         reduce_scores = decode_scores_by_reduce(T)
+        # Prompt chunks (T > 1) keep the gather: jax's mixed prefill/decode kernel (ragged paged attention) does not
+        # run in this jax's TPU interpreter, so it could not be tested here.
+        use_kernel = decode_attention == "pallas" and T == 1 and not cfg.sliding_window
+        if decode_attention not in ("gather", "pallas"):
+            raise ValueError(f"decode_attention must be 'gather' or 'pallas', got {decode_attention!r}")
+        lengths = jnp.clip(positions[:, 0] + 1, 0, attend_len)  # the kernel's keys: positions <= the query's
+        if write is not None:  # a row that writes nothing (an idle decode row) attends to nothing: skipped
+            lengths = jnp.where(write[:, 0], lengths, 0)
 
         def product(a: jax.Array, w: Any) -> jax.Array:
             if live_rows is None or live_rows >= B:
                 return linear(a, w)
             return pad_rows(linear(a[:live_rows], w), B)
 
-        def block(x, k_cache, v_cache, li, p):
-            h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-            qkv = product(h, p["wqkv"])  # [B, T, Hkv, (G+2)*D]
-            if cfg.attention_bias:
-                qkv = qkv + p["bqkv"]
-            qkv = qkv.reshape(B, T, Hkv, G + 2, D)
-            q = rope(qkv[:, :, :, :G].reshape(B, T, Hq, D), positions, inv_freq)
-            k = rope(qkv[:, :, :, G], positions, inv_freq)
-            v = qkv[:, :, :, G + 1]
-            # [B, T, Hkv, D] written at [li, page, :, offset]
-            k_cache = k_cache.at[li, where, :, offset].set(k.astype(k_cache.dtype), mode="drop")
-            v_cache = v_cache.at[li, where, :, offset].set(v.astype(v_cache.dtype), mode="drop")
+        def gathered_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, li: Any) -> jax.Array:
+            """q [B, T, Hq, D] over the first attend_len positions gathered from the pool -> [B, T, Hq * D]."""
             keys = gather_pages(k_cache, li, table[:B], attend_len)  # [B, Hkv, A, D]: the first B rows
             vals = gather_pages(v_cache, li, table[:B], attend_len)
             qg = q.reshape(B, T, Hkv, G, D)
@@ -328,7 +406,24 @@ class Llama(nnx.Module):
                 attn = jnp.einsum(
                     "bkgta,bkad->bkgtd", probs, vals.astype(q.dtype), precision=quant.precision(q.dtype)
                 ).transpose(0, 3, 1, 2, 4)
-            attn = attn.reshape(B, T, Hq * D)
+            return attn.reshape(B, T, Hq * D)
+
+        def block(x, k_cache, v_cache, li, p):
+            h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+            qkv = product(h, p["wqkv"])  # [B, T, Hkv, (G+2)*D]
+            if cfg.attention_bias:
+                qkv = qkv + p["bqkv"]
+            qkv = qkv.reshape(B, T, Hkv, G + 2, D)
+            q = rope(qkv[:, :, :, :G].reshape(B, T, Hq, D), positions, inv_freq)
+            k = rope(qkv[:, :, :, G], positions, inv_freq)
+            v = qkv[:, :, :, G + 1]
+            k_cache = write_tokens(k_cache, li, where, offset, k)  # [B, T, Hkv, D] at their pages and offsets
+            v_cache = write_tokens(v_cache, li, where, offset, v)
+            if use_kernel:  # q [B, Hkv, G, D] (query head h = kv head * G + g) -> [B, 1, Hq * D]
+                attn = paged_kernel_attention(q.reshape(B, Hkv, G, D), k_cache, v_cache, li, table[:B], lengths,
+                                              attend_len, mesh).reshape(B, T, Hq * D)  # fmt: skip
+            else:
+                attn = gathered_attention(q, k_cache, v_cache, li)
             x = x + product(attn, p["wo"])
             h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
             gate_up = product(h, p["w_gate_up"])  # [B, T, 2, I]

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tpuserve.model.config import ModelConfig
-from tpuserve.model.llama import BLOCK_AXES, CACHE_AXES, PARAM_AXES, param_shapes
+from tpuserve.model.llama import BLOCK_AXES, CACHE_AXES, PARAM_AXES, param_shapes, pool_shape
 from tpuserve.model.quant import is_quantized
 
 DEFAULT_RULES = {
@@ -91,5 +91,4 @@ def module_shardings(
 def cache_sharding(cfg: ModelConfig, mesh: Mesh, pages: int, page: int, rules: ShardingRules | None = None):
     """Where a pool of `pages` pages of `page` positions lives on the mesh (split over KV heads)."""
     rules = rules or ShardingRules()
-    shape = (cfg.num_layers, pages, cfg.num_kv_heads, page, cfg.head_dim)
-    return NamedSharding(mesh, rules.spec(mesh, CACHE_AXES, shape))
+    return NamedSharding(mesh, rules.spec(mesh, CACHE_AXES, pool_shape(cfg, pages, page)))

@@ -59,6 +59,11 @@ class EngineConfig:
     # times longer; on an accelerator unrolled decodes up to ~2x faster (a Llama-3-8B-shaped model on one GPU) and
     # compiles ~2x longer. null: scanned on CPU, unrolled on GPU/TPU.
     scan_layers: bool | None = None
+    # A decode step's attention: "pallas" reads the KV pool's pages in place with jax's Pallas TPU paged-attention
+    # kernel (K and V rounded to bf16 inside it; off TPU it runs in jax's TPU interpreter: slow, for tests),
+    # "gather" gathers each row's pages and attends in plain XLA. "auto": pallas on TPU, gather elsewhere.
+    # Prompt chunks always gather (docs/engine.md).
+    decode_attention: str = "auto"
     # Prefix cache: full prompt pages are named by their tokens (and cache_salt) and shared by reference; a prompt
     # that starts with pages an earlier one computed reads them instead of computing them. Pages nobody holds
     # stay cached until their room is needed (least recently let go first). Results are bit-identical with the

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
-from tpuserve.model.llama import cache_bytes, init_pages
+from tpuserve.model.llama import cache_bytes, init_pages, pool_pages
 from tpuserve.model.loader import LoadedModel
 from tpuserve.model.quant import tree_nbytes
 from tpuserve.model.sharding import cache_sharding
@@ -51,7 +51,13 @@ from tpuserve.sampler.api import (
 from tpuserve.sampler.buckets import SHARED_CHUNK, Buckets, bucket_for
 from tpuserve.sampler.config import EngineConfig
 from tpuserve.sampler.pages import PageLogprobs, Pages, PromptParts
-from tpuserve.sampler.programs import SWAP_PAGES, Pool, ProgramConfig, build_programs
+from tpuserve.sampler.programs import (
+    SWAP_PAGES,
+    Pool,
+    ProgramConfig,
+    build_programs,
+    resolve_decode_attention,
+)
 from tpuserve.sampler.state import init_decode_state, slot_sampling
 
 log = logging.getLogger(__name__)
@@ -186,8 +192,9 @@ class JaxEngine(Engine):
         self.state = self._place_replicated(init_decode_state(slots + 1))
         self.invariant_rows = INVARIANT_ROWS if jax.default_backend() == "cpu" else 0
         program_cfg = ProgramConfig(K=MAX_TOP_LOGPROBS, chunk=self.prefill_chunk, max_seq_len=max_seq_len,
-                                    processed_logprobs=cfg.processed_logprobs,
-                                    invariant_rows=self.invariant_rows)  # fmt: skip
+                                    processed_logprobs=cfg.processed_logprobs, invariant_rows=self.invariant_rows,
+                                    decode_attention=resolve_decode_attention(cfg.decode_attention),
+                                    mesh=mesh)  # fmt: skip
         self.programs = build_programs(self.graphdef, program_cfg)
         self.capabilities = Capabilities(
             structured_outputs=True,
@@ -219,7 +226,7 @@ class JaxEngine(Engine):
     def _place_pool(self, pool: Pool) -> Pool:
         if self.mesh is None:
             return jax.device_put(pool)
-        kv = cache_sharding(self.config, self.mesh, pool.k.shape[1], self.page)  # split over KV heads
+        kv = cache_sharding(self.config, self.mesh, pool_pages(pool.k), self.page)  # split over KV heads
         return jax.device_put(pool, Pool(kv, kv))
 
     def _place_replicated(self, array):
@@ -465,7 +472,7 @@ class JaxEngine(Engine):
         paused = self._paused.pop(slot)
         pages = self.pages.allocate(paused.pages)
         assert pages is not None
-        beyond = self.pool.k.shape[1]  # past the pool: skipped
+        beyond = pool_pages(self.pool.k)  # past the pool: skipped
         for i, (k, v) in zip(range(0, paused.pages, SWAP_PAGES), paused.kv):
             ids = np.full(SWAP_PAGES, beyond, np.int32)
             part = pages[i : i + SWAP_PAGES]

@@ -9,17 +9,35 @@ A prompt's pages can be shared whatever split of it computed them: see buckets.S
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from tpuserve.model.llama import KVCache, Llama, pad_rows
+from tpuserve.model.llama import KVCache, Llama, pad_rows, put_pages, take_pages
 from tpuserve.sampler.sampling import NEG_INF, processed_logits, sample, top_logprobs
 from tpuserve.sampler.state import DecodeState, SlotSampling
 
 SWAP_PAGES = 16  # pages one swap program moves between the pool and the host
+DECODE_ATTENTION = ("auto", "gather", "pallas")  # EngineConfig.decode_attention
+
+log = logging.getLogger(__name__)
+
+
+def resolve_decode_attention(setting: str) -> str:
+    """EngineConfig.decode_attention -> what decode runs: "pallas" (jax's Pallas TPU kernel over the pool in
+    place) or "gather" (plain XLA); "auto" is pallas on TPU only. Pallas off TPU runs in jax's TPU interpreter."""
+    if setting not in DECODE_ATTENTION:
+        raise ValueError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)}; got {setting!r}")
+    backend = jax.default_backend()
+    if setting == "auto":
+        return "pallas" if backend == "tpu" else "gather"
+    if setting == "pallas" and backend != "tpu":
+        log.warning("decode_attention pallas on %s: the TPU kernel runs in jax's TPU interpreter (slow; for tests)",
+                    backend)  # fmt: skip
+    return setting
 
 
 @dataclass(frozen=True)
@@ -32,6 +50,10 @@ class ProgramConfig:
     # following free slots, inert): XLA:CPU rounds the norms, rotary embedding, softmax and sampling of fewer than 8
     # rows differently, so this keeps a request's results bit-identical from 2 rows up (0: off, other backends).
     invariant_rows: int = 0
+    # A decode step's attention, resolved (`resolve_decode_attention`): "gather" or "pallas"; prompt chunks gather.
+    decode_attention: str = "gather"
+    # the engine's mesh (jax.sharding.Mesh) or None: the kernel runs per device on the device's KV heads
+    mesh: Any = None
 
 
 class StepOut(NamedTuple):
@@ -59,12 +81,12 @@ class Programs(NamedTuple):
     decode: Any
     release: Any  # (state, slot) -> state
     copy_page: Any  # (pool, src, dst) -> pool
-    swap_out: Any  # (pool, pages [SWAP_PAGES]) -> (k, v) [L, SWAP_PAGES, Hkv, page, D]
+    swap_out: Any  # (pool, pages [SWAP_PAGES]) -> (k, v) [Hkv, L, SWAP_PAGES, page, D]
     swap_in: Any  # (pool, pages [SWAP_PAGES], k, v) -> pool; pages past the pool are skipped
 
 
 class Pool(NamedTuple):
-    """The device's pages of keys and values, [L, P, Hkv, page, D] each (page 0: the null page)."""
+    """The device's pages of keys and values, [Hkv, L, P, page, D] each (page 0: the null page; model/llama.py)."""
 
     k: jax.Array
     v: jax.Array
@@ -160,16 +182,16 @@ def chunk_logprobs_program(
 
 
 def swap_out_program(pool: Pool, pages: jax.Array):
-    return pool.k[:, pages], pool.v[:, pages]
+    return take_pages(pool.k, pages), take_pages(pool.v, pages)
 
 
 def swap_in_program(pool: Pool, pages: jax.Array, k: jax.Array, v: jax.Array) -> Pool:
-    return Pool(pool.k.at[:, pages].set(k, mode="drop"), pool.v.at[:, pages].set(v, mode="drop"))
+    return Pool(put_pages(pool.k, pages, k), put_pages(pool.v, pages, v))
 
 
 def copy_page_program(pool: Pool, src, dst) -> Pool:
     return Pool(
-        pool.k.at[:, dst].set(pool.k[:, src], mode="drop"), pool.v.at[:, dst].set(pool.v[:, src], mode="drop")
+        put_pages(pool.k, dst, take_pages(pool.k, src)), put_pages(pool.v, dst, take_pages(pool.v, src))
     )
 
 
@@ -214,7 +236,7 @@ def decode_program(m: Llama, state: DecodeState, pool: Pool, table, paused, allo
         valid = s.active & live
         cache = KVCache(kv.k, kv.v, rows_table)
         hidden, cache = m(s.last[:, None], positions[:, None], cache, attend_len, live_rows=batch,
-                          write=valid[:, None])  # fmt: skip
+                          write=valid[:, None], decode_attention=cfg.decode_attention, mesh=cfg.mesh)  # fmt: skip
         logits = pad_rows(m.logits(hidden[:batch, 0]), width)
         out = step_outputs(logits, s.sampling, positions + 1, cfg, masks)
         lengths = jnp.where(valid, s.lengths + 1, s.lengths)

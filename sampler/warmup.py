@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
+from tpuserve.model.llama import pool_pages
 from tpuserve.sampler import host_memory
 from tpuserve.sampler.api import SlotParams
 from tpuserve.sampler.programs import SWAP_PAGES
@@ -58,9 +59,9 @@ def stages(engine: JaxEngine, prompt_logprobs: bool = True) -> list[Stage]:
     def swap() -> None:  # pages to the host and back, and a page's copy: on the null page, changing nothing
         k, v = p.swap_out(e.pool, np.zeros(SWAP_PAGES, np.int32))
         e.pool = p.swap_in(
-            e.pool, np.full(SWAP_PAGES, e.pool.k.shape[1], np.int32), np.asarray(k), np.asarray(v)
+            e.pool, np.full(SWAP_PAGES, pool_pages(e.pool.k), np.int32), np.asarray(k), np.asarray(v)
         )
-        e.pool = p.copy_page(e.pool, np.int32(0), np.int32(e.pool.k.shape[1]))
+        e.pool = p.copy_page(e.pool, np.int32(0), np.int32(pool_pages(e.pool.k)))
 
     def decode(attend: int, batch: int) -> None:
         # compiled (or loaded from the cache), not run: a 64-row decode over 512 positions runs for seconds,

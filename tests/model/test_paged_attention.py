@@ -27,12 +27,12 @@ LENGTHS = (90, 0, 1, 48)  # 6 pages ending inside the last; idle; 1 token; exact
 
 
 def make_case(seed: int, groups: int, head_dim: int, dtype=jnp.float32, lengths=LENGTHS):
-    """q [B, Hkv, G, D], k/v pools [P, Hkv, page, D] (page 0 zeros), lengths [B], table [B, N]: each row's pages
+    """q [B, Hkv, G, D], k/v pools [Hkv, P, page, D] (page 0 zeros), lengths [B], table [B, N]: each row's pages
     drawn without repeats from a permutation of pages 1..P-1, unused entries 0."""
     rng = np.random.default_rng(seed)
-    k = rng.standard_normal((P, HKV, PAGE, head_dim)).astype(np.float32)
-    v = rng.standard_normal((P, HKV, PAGE, head_dim)).astype(np.float32)
-    k[0] = v[0] = 0.0
+    k = rng.standard_normal((HKV, P, PAGE, head_dim)).astype(np.float32)
+    v = rng.standard_normal((HKV, P, PAGE, head_dim)).astype(np.float32)
+    k[:, 0] = v[:, 0] = 0.0
     q = rng.standard_normal((len(lengths), HKV, groups, head_dim)).astype(np.float32)
     free = list(rng.permutation(np.arange(1, P)))
     table = np.zeros((len(lengths), N), np.int32)
@@ -62,8 +62,8 @@ def numpy_attention(q, k_pages, v_pages, lengths, table) -> np.ndarray:
         pages = np.asarray(table)[b, positions // PAGE]
         for h in range(kv_heads * groups):
             kv = h // groups
-            keys = k_pages[pages, kv, positions % PAGE]  # [length, D]
-            values = v_pages[pages, kv, positions % PAGE]
+            keys = k_pages[kv, pages, positions % PAGE]  # [length, D]
+            values = v_pages[kv, pages, positions % PAGE]
             logits = keys @ q[b, kv, h % groups] / math.sqrt(head_dim)
             weights = np.exp(logits - logits.max())
             out[b, kv, h % groups] = weights @ values / weights.sum()

@@ -71,9 +71,10 @@ def test_sharded_engine_matches_one_device(orbax_dir, embedded, one_device):
 
     # the pool of pages on the mesh: placed by the sharding rules (split over KV heads where they divide), and a
     # warm prompt (its first pages shared from the cache) gives the same tokens and logprobs as a cold one
+    from tpuserve.model.llama import pool_pages
     from tpuserve.model.sharding import cache_sharding
 
-    planned = cache_sharding(sharded.config, mesh, tp_engine.pool.k.shape[1], tp_engine.page)
+    planned = cache_sharding(sharded.config, mesh, pool_pages(tp_engine.pool.k), tp_engine.page)
     assert tp_engine.pool.k.sharding.is_equivalent_to(planned, 5)
     assert len(tp_engine.pool.k.sharding.device_set) == 4
     ids = embedded.tokenizer.encode((" ".join(PROMPTS) + " ") * 4)[:90]
