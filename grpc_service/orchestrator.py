@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import numpy as np
 from tpuserve.grpc_service import jobs
 from tpuserve.grpc_service.admission import RequestStream, ShuttingDownError, WaitingQueue
 from tpuserve.grpc_service.guided import Constraint, Grammars, GuidedError
@@ -211,7 +212,7 @@ class Orchestrator:
             self._read_first_tokens()
             for slot, constraint in self._constrained_slots():
                 self.engine.constrain(slot, constraint.mask())
-        if wants_tokens(self._owner, self._firsts, previous):
+        if wants_tokens(self._owner, self._firsts, previous, self._ended(previous)):
             self._dispatch_decode()
         if previous is not None:
             self._read_decode(previous)
@@ -219,6 +220,21 @@ class Orchestrator:
         self._flush_outboxes()  # first tokens go out before a call dispatched behind their insert is read
         if self._inflight is not None and not self.policy.keep_in_flight(len(self._free), self._call_s):
             self._inflight.next_after = True
+
+    def _ended(self, call: InFlight | None) -> list[int]:
+        """The slots whose sample the device ended in `call`, when it is done but not read yet (its tokens are
+        read after the next call is dispatched): no call is dispatched for them."""
+        if call is None or call.done is None:
+            return []
+        try:
+            done = call.result.result().done  # on the host already: waited for in _await_call
+        except Exception:  # noqa: BLE001 -- raised again where the call is read
+            return []
+        return [
+            int(s)
+            for s in np.flatnonzero(done.any(axis=0))
+            if call.owners.get(int(s)) == self._owner.get(int(s))
+        ]
 
     def _constrained_slots(self) -> list[tuple[int, Constraint]]:
         """(slot, grammar) of every sample in a slot that decodes under a grammar."""

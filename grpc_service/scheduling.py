@@ -121,13 +121,18 @@ def wants_tokens(
     owners: Mapping[int, tuple[Run, int]],
     firsts: Iterable[tuple[Run, int, object]],
     in_flight: InFlight | None,
+    ended: Iterable[int] = (),
 ) -> bool:
     """Whether another decode call can make a token someone wants: not when every sample in a slot (`owners`:
     slot -> (run, sample)) reaches its max_tokens with the tokens already on their way (`firsts`: inserted, the
-    first token not yet read; the call in flight). A call nobody needs would keep the device busy, and a request
-    arriving next would wait for it."""
+    first token not yet read; the call in flight), or ended in the call in flight (`ended`: the slots the device
+    marked done in a call that is done but not read yet, e.g. on an end-of-sequence token). A call nobody needs
+    would keep the device busy, and a request arriving next would wait for it."""
     coming_first = {(id(run), index) for run, index, _ in firsts}
+    ended = set(ended)
     for slot, (run, index) in owners.items():
+        if slot in ended:
+            continue
         tracker = run.trackers[index]
         coming = int((id(run), index) in coming_first)
         owner = in_flight.owners.get(slot) if in_flight is not None else None

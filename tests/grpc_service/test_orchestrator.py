@@ -391,6 +391,27 @@ def test_calls_stay_in_flight_while_no_slot_is_free():
     assert engine.call_steps == [2] * 5  # the engine's own steps: nobody can arrive into a slot
 
 
+def test_no_call_is_dispatched_after_a_sample_ends_on_its_stop_token():
+    """One-step calls dispatched as soon as the one before is done, before its tokens are read: a sample whose
+    call ended it on end-of-sequence gets no further call (a request arriving next would wait for it)."""
+    engine = FakeEngine(VOCAB, EOS, pool=[1, 2, 3, EOS], steps_per_call=1, step_delay_s=0.03)
+    orch = make(engine, overlap_max_call_s=0.01)
+
+    async def main():
+        first = await collect(orch, job(max_tokens=40))  # times the calls (the first two overlap)
+        calls = engine.decode_calls
+        second = await collect(orch, job(max_tokens=40))
+        return first, second, engine.decode_calls - calls
+
+    try:
+        first, second, calls = asyncio.run(main())
+    finally:
+        orch.close()
+    for events in (first, second):
+        assert samples(events)[0][-1].finish is Finish.EOS and samples(events)[0][-1].completion_tokens == 4
+    assert calls == 3  # tokens 2, 3 and the end: none after it
+
+
 def test_a_request_arriving_while_a_stream_decodes_waits_about_one_step_not_a_call():
     """Steps of 40 ms, 8 to a call: with a slot free, calls make one step once a call has been timed, so a request
     that arrives while a stream decodes is prefilled after the step on the device, not after 8 (320 ms)."""
