@@ -127,8 +127,12 @@ class Group:
         self.model = httpx.get(f"{self.base}/v1/models", timeout=10).json()["data"][0]["id"]
 
     def active_slots(self) -> float:
-        """The leader backend's slots holding a sample (its metrics: GRPC_PORT + 1, `tpuserve serve`'s default)."""
-        text = httpx.get(f"http://127.0.0.1:{self.grpc_port + 1}/metrics", timeout=5).text
+        """The leader backend's slots holding a sample (its metrics: GRPC_PORT + 1, `tpuserve serve`'s default);
+        -1 when a scrape fails on its connection (seen once with the machine loaded: polled again)."""
+        try:
+            text = httpx.get(f"http://127.0.0.1:{self.grpc_port + 1}/metrics", timeout=5).text
+        except httpx.TransportError:
+            return -1.0
         line = next(x for x in text.splitlines() if x.startswith("tpuserve_backend_active_slots "))
         return float(line.split()[1])
 

@@ -20,7 +20,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -101,6 +101,15 @@ def page(browser, gw: str) -> Iterator[object]:
     yield from _page(browser, gw)
 
 
+def _until(page, ready: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    """Wait until `ready()`, reading the page through locators: page.wait_for_function would evaluate its string
+    in the page, which the playground's CSP (script-src 'self', no eval) refuses once it has to poll."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, f"not ready after {timeout_s} s"
+        page.wait_for_timeout(50)
+
+
 def _page(browser, url: str, width: int = 1100, height: int = 900) -> Iterator[object]:
     """A fresh tab (own session storage) on the playground; fails the test on a script error or on any request
     that leaves the gateway's origin."""
@@ -119,9 +128,7 @@ def _page(browser, url: str, width: int = 1100, height: int = 900) -> Iterator[o
     )
     page.on("request", lambda req: None if req.url.startswith(url) else foreign.append(req.url))
     page.goto(url + "/playground")
-    page.wait_for_function(
-        "document.querySelector('#model').value !== '' || !document.querySelector('#error').hidden"
-    )
+    _until(page, lambda: page.locator("#model").input_value() != "" or not page.locator("#error").is_hidden())
     yield page
     context.close()
     assert not errors, errors
@@ -339,7 +346,7 @@ def test_wrong_api_key_shows_the_401_message(browser, keyed_gw: str, shots: Path
         assert "You didn't provide an API key." in page.inner_text("#error")
         page.fill("#api-key", API_KEY)
         page.press("#api-key", "Tab")  # change: the models load with the key
-        page.wait_for_function("document.querySelector('#model').value !== ''")
+        _until(page, lambda page=page: page.locator("#model").input_value() != "")
         assert page.is_hidden("#error")
         page.fill("#api-key", "sk-wrong")
         run(page, "score", "Hello there.", top_logprobs=2)
