@@ -266,6 +266,7 @@ def main(
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server, cfg = settings
     # Imported here, not above: the service itself runs over any `Engine` (tests use a fake one without JAX).
+    from tpuserve.model.config import ModelLoadError
     from tpuserve.sampler import multihost, process_group
     from tpuserve.sampler.factory import load_engine
 
@@ -278,7 +279,11 @@ def main(
     except (RuntimeError, ValueError) as e:
         log.error("%s", e)
         return 2
-    engine, tokenizer, model_id = load_engine(dataclasses.replace(cfg, warm_up=False))
+    try:
+        engine, tokenizer, model_id = load_engine(dataclasses.replace(cfg, warm_up=False))
+    except ModelLoadError as e:  # a model that cannot be served: one line naming it, no traceback
+        log.error("%s", e)
+        return 2
     if num_processes > 1:
         channel = process_group.Channel(server.peer_timeout)
         if process_id != 0:

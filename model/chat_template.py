@@ -78,14 +78,25 @@ class ChatTemplate:
         return "tools" in self.source
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, tools: list | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        tools: list | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[str, list[str | int] | None]:
         """The prompt text, and the same prompt as runs: text runs (str, possibly empty, the first one at the very
         start) and special-token ids (int) exactly where the template wrote special-token text; content is always
         inside a text run. Runs are None when the template transforms content past recognition: encode the whole
-        text then (refused with ValueError if a message holds special-token text). Bad messages raise ValueError."""
+        text then (refused with ValueError if a message holds special-token text). Bad messages raise ValueError.
+
+        `template_kwargs`: further template variables (e.g. Qwen3's `enable_thinking`), as transformers'
+        `apply_chat_template(**kwargs)` passes them: they may replace bos_token & co., not the messages, tools or
+        add_generation_prompt."""
         messages = self.checked_messages(messages)
-        extra = {} if tools is None else {"tools": tools}
+        reserved = sorted({"messages", "tools", "add_generation_prompt"} & set(template_kwargs or ()))
+        if reserved:
+            raise ValueError(f"chat template arguments may not set {', '.join(reserved)}")
+        extra = {**(template_kwargs or {}), **({} if tools is None else {"tools": tools})}
         if self._special_re is not None:  # tools and calls are template text here: no special tokens in them
             for n, m in enumerate(messages):
                 if m.get("tool_calls") and self._special_re.search(
@@ -137,8 +148,7 @@ class ChatTemplate:
             return self._compiled.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                **self._template_tokens,
-                **extra,
+                **{**self._template_tokens, **extra},
             )
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template: {e}") from e

@@ -9,7 +9,7 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class ModelLoadError(ValueError):
@@ -41,7 +41,9 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on the Q/K/V products
+    output_bias: bool = False  # a bias on the attention output product (Llama, Qwen3 with attention_bias)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's queries and keys (weights [D]) before RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None  # Mistral: a query sees only the last `sliding_window` positions
@@ -108,10 +110,11 @@ def config_from_hf(path: str | pathlib.Path) -> ModelConfig:
             f"{file}: unsupported architecture model_type={arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     theta, scaling = _hf_rope(raw, file)
+    bias = bool(raw.get("attention_bias", arch == "qwen2"))
     window = raw.get("sliding_window") if arch == "mistral" else None
-    if arch == "qwen2" and raw.get("use_sliding_window"):
+    if arch in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
         raise ModelLoadError(
-            f"{file}: Qwen2's per-layer sliding window (use_sliding_window) is not supported"
+            f"{file}: {arch}'s per-layer sliding window (use_sliding_window) is not supported"
         )
     heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
@@ -130,7 +133,9 @@ def config_from_hf(path: str | pathlib.Path) -> ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", arch == "qwen2")),
+            attention_bias=bias,
+            output_bias=bias and arch != "qwen2",  # transformers: o_proj's bias too, but for Qwen2
+            qk_norm=arch == "qwen3",
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_as_ids(raw.get("eos_token_id")),
             sliding_window=int(window) if window else None,
@@ -140,7 +145,11 @@ def config_from_hf(path: str | pathlib.Path) -> ModelConfig:
 
 
 def config_from_gguf_fields(
-    fields: dict[str, Any], file: str, has_output_weight: bool, has_qkv_bias: bool
+    fields: dict[str, Any],
+    file: str,
+    has_output_weight: bool,
+    has_qkv_bias: bool,
+    has_output_bias: bool = False,
 ) -> ModelConfig:
     """From GGUF metadata (`{arch}.block_count`, `{arch}.attention.head_count`, ...), already read to Python values."""
     arch = fields.get("general.architecture")
@@ -189,6 +198,8 @@ def config_from_gguf_fields(
         max_position_embeddings=int(fields.get(f"{arch}.context_length", 2048)),
         tie_word_embeddings=not has_output_weight,
         attention_bias=has_qkv_bias,
+        output_bias=has_output_bias,
+        qk_norm=arch == "qwen3",
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_as_ids(eos),
         sliding_window=int(fields.get(f"{arch}.attention.sliding_window") or 0) or None,

@@ -23,7 +23,10 @@ _LAYER_MAP = {
     "attn_q.bias": "bq",
     "attn_k.bias": "bk",
     "attn_v.bias": "bv",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
     "attn_output.weight": "wo",
+    "attn_output.bias": "bo",
     "ffn_norm.weight": "mlp_norm",
     "ffn_gate.weight": "w_gate",
     "ffn_up.weight": "w_up",
@@ -56,6 +59,7 @@ def gguf_config(reader: GGUFReader, fields: dict[str, Any], path: pathlib.Path) 
         str(path),
         has_output_weight="output.weight" in names,
         has_qkv_bias="blk.0.attn_q.bias" in names,
+        has_output_bias="blk.0.attn_output.bias" in names,
     )
 
 

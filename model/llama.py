@@ -1,11 +1,13 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) as a Flax NNX module.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) as a Flax NNX module.
 
 Canonical parameters (what the loaders produce and checkpoints store): the decoder blocks' weights stacked along
 a leading layer axis; matrices [out, in], as PyTorch, GGUF and safetensors store them (`linear(x, w)` = x @ w.T):
 
   embed [V, H]; final_norm [H]; lm_head [V, H] (absent when tied to embed)
   stacked over layers L: attn_norm [L, H]; wq [L, Hq*D, H]; wk, wv [L, Hkv*D, H]; bq [L, Hq*D]; bk, bv [L, Hkv*D]
-  (biases only with attention_bias); wo [L, H, Hq*D]; mlp_norm [L, H]; w_gate, w_up [L, I, H]; w_down [L, H, I]
+  (biases only with attention_bias); wo [L, H, Hq*D]; bo [L, H] (only with output_bias); q_norm, k_norm [L, D]
+  (only with qk_norm: Qwen3's RMSNorm over each head's queries and keys, before RoPE); mlp_norm [L, H];
+  w_gate, w_up [L, I, H]; w_down [L, H, I]
 
 Why [out, in]: XLA:CPU's dot kernel computes a row of `x @ w.T` with the same arithmetic whatever the number of
 rows (2 or more; measured, and tested in tests/sampler/test_batch_invariance.py), while `x @ w` with w: [in, out]
@@ -61,7 +63,8 @@ from tpuserve.model.attention_tpu import paged_decode_attention
 from tpuserve.model.config import ModelConfig, rope_inv_freq
 from tpuserve.model.quant import linear, take_rows
 
-LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "q_norm", "k_norm", "wo", "bo", "mlp_norm",
+                "w_gate", "w_up", "w_down")  # fmt: skip
 
 # Logical axes of each parameter: sharding rules map these names to mesh axes (tpuserve.model.sharding).
 PARAM_AXES: dict[str, tuple[str | None, ...]] = {
@@ -75,7 +78,10 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "bq": ("layers", "heads"),
     "bk": ("layers", "kv_heads"),
     "bv": ("layers", "kv_heads"),
+    "q_norm": ("layers", None),  # [L, D]: over the head dimension, replicated
+    "k_norm": ("layers", None),
     "wo": ("layers", "embed", "heads"),
+    "bo": ("layers", "embed"),
     "mlp_norm": ("layers", "embed"),
     "w_gate": ("layers", "mlp", "embed"),
     "w_up": ("layers", "mlp", "embed"),
@@ -88,7 +94,10 @@ BLOCK_AXES: dict[str, tuple[str | None, ...]] = {
     "attn_norm": ("embed",),
     "wqkv": ("kv_heads", None, "embed"),  # [Hkv, (G+2)*D, H]
     "bqkv": ("kv_heads", None),  # [Hkv, (G+2)*D]
+    "q_norm": (None,),  # [D]
+    "k_norm": (None,),
     "wo": ("embed", "heads"),
+    "bo": ("embed",),
     "mlp_norm": ("embed",),
     "w_gate_up": (None, "mlp", "embed"),  # [2, I, H]
     "w_down": ("embed", "mlp"),
@@ -112,6 +121,10 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }  # fmt: skip
     if cfg.attention_bias:
         shapes.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
+    if cfg.output_bias:
+        shapes["bo"] = (L, H)
+    if cfg.qk_norm:
+        shapes.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (V, H)
     return shapes
@@ -137,6 +150,7 @@ def module_params(cfg: ModelConfig, params: dict[str, jax.Array], scan_layers: b
             parts = [p["bq"].reshape(*lead, Hkv, G * D), p["bk"].reshape(*lead, Hkv, D),
                      p["bv"].reshape(*lead, Hkv, D)]  # fmt: skip
             out["bqkv"] = jnp.concatenate(parts, axis=-1)
+        out.update({n: p[n] for n in ("q_norm", "k_norm", "bo") if n in p})
         return out
 
     layer_names = [n for n in LAYER_PARAMS if n in params]
@@ -414,9 +428,11 @@ class Llama(nnx.Module):
             if cfg.attention_bias:
                 qkv = qkv + p["bqkv"]
             qkv = qkv.reshape(B, T, Hkv, G + 2, D)
-            q = rope(qkv[:, :, :, :G].reshape(B, T, Hq, D), positions, inv_freq)
-            k = rope(qkv[:, :, :, G], positions, inv_freq)
-            v = qkv[:, :, :, G + 1]
+            q, k, v = qkv[:, :, :, :G].reshape(B, T, Hq, D), qkv[:, :, :, G], qkv[:, :, :, G + 1]
+            if cfg.qk_norm:  # Qwen3: each head's queries and keys normalized over D, before RoPE
+                q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+                k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+            q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
             k_cache = write_tokens(k_cache, li, where, offset, k)  # [B, T, Hkv, D] at their pages and offsets
             v_cache = write_tokens(v_cache, li, where, offset, v)
             if use_kernel:  # q [B, Hkv, G, D] (query head h = kv head * G + g) -> [B, 1, Hq * D]
@@ -424,7 +440,8 @@ class Llama(nnx.Module):
                                               attend_len, mesh).reshape(B, T, Hq * D)  # fmt: skip
             else:
                 attn = gathered_attention(q, k_cache, v_cache, li)
-            x = x + product(attn, p["wo"])
+            out = product(attn, p["wo"])
+            x = x + (out + p["bo"] if cfg.output_bias else out)
             h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
             gate_up = product(h, p["w_gate_up"])  # [B, T, 2, I]
             x = x + product(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], p["w_down"])

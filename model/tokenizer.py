@@ -126,13 +126,16 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: list | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         """The chat template's prompt text and its ids. Only the template's own markers become special tokens;
         every message's `content` is tokenized as plain text. BOS is prepended if the tokenizer adds one and the
         template did not already write it. Bad messages raise ValueError.
 
         `tools` (OpenAI's function tools) and messages with `tool_calls` / role "tool": rendered by the template
-        when it has a tools section, else turned into plain turns by the generic tool prompt."""
+        when it has a tools section, else turned into plain turns by the generic tool prompt. `template_kwargs`:
+        further template variables (Qwen3's `enable_thinking`, ...), as transformers' `apply_chat_template` takes
+        them."""
         if self._chat is None:
             raise ValueError(f"{self.source}: the tokenizer has no chat template")
         uses_tools = tools or any(
@@ -140,7 +143,7 @@ class Tokenizer:
         )
         if uses_tools and not self._chat.has_tools:
             messages, tools = generic_tool_messages(messages, tools), None
-        text, runs = self._chat.render(messages, add_generation_prompt, tools or None)
+        text, runs = self._chat.render(messages, add_generation_prompt, tools or None, template_kwargs)
         ids = self.encode(text, add_special_tokens=False) if runs is None else self._encode_runs(runs)
         if self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids = [self.bos_id, *ids]

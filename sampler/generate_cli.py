@@ -7,6 +7,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from tpuserve.model.config import ModelLoadError
 from tpuserve.model.loader import load_model
 from tpuserve.sampler.api import SlotParams
 from tpuserve.sampler.engine import JaxEngine
@@ -21,7 +22,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as one user message (chat template)")
     args = p.parse_args(argv)
-    loaded = load_model(args.model)
+    try:
+        loaded = load_model(args.model)
+    except ModelLoadError as e:
+        p.exit(2, f"tpuserve generate: {e}\n")
     tok = loaded.tokenizer
     ids = (
         tok.render_chat([{"role": "user", "content": args.prompt}])[1]
