@@ -112,8 +112,9 @@ def add_quantization_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         default=None,
-        choices=("none", "keep", "int8"),
-        help="weights in memory: none (all in dtype), keep (a GGUF's quantized blocks), int8 (per channel); "
+        choices=("none", "keep", "int8", "w8a8"),
+        help="weights in memory: none (all in dtype), keep (a GGUF's quantized blocks), int8 (per channel), "
+        "w8a8 (int8 per channel times int8 activations: integer products, other logprobs); "
         "default: the source's (GGUF: see docs/engine.md)",
     )
 

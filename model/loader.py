@@ -3,7 +3,9 @@ With no path, the embedded default model (SmolLM2-135M-Instruct GGUF from `llm-s
 
 Quantization modes (`quantization`, see tpuserve.model.quant): "none" dequantizes/casts every weight to `dtype`;
 "keep" serves a GGUF file's quantized matrices from their blocks; "int8" quantizes the matrices to int8 per
-output channel (an int8 Orbax checkpoint, written by `tpuserve convert --quantization int8`, is already so).
+output channel (an int8 Orbax checkpoint, written by `tpuserve convert --quantization int8`, is already so);
+"w8a8" holds the same int8 matrices and multiplies them by int8 activations (quant.integer_product): any source,
+a GGUF's blocks dequantized then quantized per channel; never a default.
 None picks the default for the source: DEFAULT_GGUF_QUANTIZATION for a GGUF file, the checkpoint's own mode for
 an Orbax checkpoint, "none" otherwise."""
 
@@ -22,9 +24,18 @@ from tpuserve.model import checkpoint
 from tpuserve.model.config import ModelConfig, ModelLoadError, config_from_hf
 from tpuserve.model.embedded import EMBEDDED_MODEL_ID, default_model_path
 from tpuserve.model.llama import Llama, module_params
-from tpuserve.model.quant import INT8_PARAMS, is_quantized, map_fields, quantize_int8, to_planar, tree_nbytes
+from tpuserve.model.quant import (
+    INT8_PARAMS,
+    W8A8,
+    is_quantized,
+    map_fields,
+    quantize_int8,
+    to_planar,
+    tree_nbytes,
+)
 
-QUANTIZATION_MODES = ("none", "keep", "int8")
+QUANTIZATION_MODES = ("none", "keep", "int8", "w8a8")
+INT8_MODES = ("int8", "w8a8")  # int8 matrices per output channel
 # What a GGUF model is served as when no mode is asked for: on a 2-core CPU keep serves about as fast as fp32 at
 # 64 streams and a little slower at one (`make bench --only quant`, docs/benchmarks.md "Quantized weights"), in a fifth of the
 # bytes, with the same logprobs.
@@ -89,10 +100,11 @@ def resolve_quantization(requested: str | None, path: pathlib.Path, stored: str 
             else f"{_safetensors_dtype(path)} tensors"
         )
         raise ModelLoadError(f"{path}: quantization 'keep' serves a GGUF file's quantized blocks; this source holds "
-                             f"{holds} (use 'int8' to quantize them, or 'none')")  # fmt: skip
-    if stored == "int8" and requested != "int8":
+                             f"{holds} (use 'int8' or 'w8a8' to quantize them, or 'none')")  # fmt: skip
+    if stored == "int8" and requested not in INT8_MODES:
         raise ModelLoadError(f"{path}: quantization {requested!r} cannot load this checkpoint: it holds int8 weights "
-                             "(written with --quantization int8); use 'int8', or convert the source again")  # fmt: skip
+                             "(written with --quantization int8); use 'int8' or 'w8a8', or convert the source "
+                             "again")  # fmt: skip
     return requested
 
 
@@ -134,8 +146,8 @@ def load_model(
     shardings: dict[str, jax.sharding.Sharding] | None = None
 
     def cast(name: str, arr: Any) -> Any:
-        if mode == "int8" and name in INT8_PARAMS and not is_quantized(arr):
-            arr = quantize_int8(arr)
+        if mode in INT8_MODES and name in INT8_PARAMS and not is_quantized(arr):
+            arr = quantize_int8(arr, kind=mode)
         if is_quantized(
             arr
         ):  # fields keep their integer / fp32 types; dequantized to `dtype` in the programs
@@ -166,9 +178,13 @@ def load_model(
         params = checkpoint.restore_params(path, cfg, jdtype, shardings, manifest.get("quantization", "none"))
         # an unquantized checkpoint served as int8, quantized on the host as from any source
         # (quantize_int8 on the device rounds some scales an ulp apart: tests/model/test_hf_llama.py)
-        if mode == "int8":
+        if mode in INT8_MODES:
             params = {n: cast(n, np.asarray(a)) if n in INT8_PARAMS and not is_quantized(a) else a
                       for n, a in params.items()}  # fmt: skip
+        if mode == W8A8:  # an int8 checkpoint's matrices, multiplied in integers
+            params = {
+                n: dataclasses.replace(a, kind=W8A8) if is_quantized(a) else a for n, a in params.items()
+            }
         model_id = manifest["model_id"]
     elif path.is_dir():
         from tpuserve.model.weights_hf import load_hf_weights
@@ -195,7 +211,8 @@ def convert(
     quantization: str = "none",
 ) -> LoadedModel:
     """Write an Orbax checkpoint + manifest + tokenizer files for any loadable model (`tpuserve convert`);
-    quantization "int8" writes int8 weights per output channel ("keep" has no checkpoint form)."""
+    quantization "int8" writes int8 weights per output channel (which also load as "w8a8"; "keep" has no
+    checkpoint form)."""
     if quantization not in ("none", "int8"):
         raise ModelLoadError(
             f"convert --quantization {quantization!r}: a checkpoint holds 'none' or 'int8' weights"

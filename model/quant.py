@@ -12,6 +12,9 @@ consecutive inputs of a row, a `scale` and an optional `offset`, so that a weigh
   gguf package itself (its dequantizer run over blocks whose scales are set to one).
 - int8 weight-only per output channel (`--quantization int8`): symmetric, group = the whole row, no offset; the
   scale is applied to the product's output instead of to the weight.
+- W8A8 (`--quantization w8a8`): the same int8 matrices (kind "w8a8"), multiplied by activations quantized to int8
+  per row inside the program: an int8 x int8 -> int32 dot, then the int32 result times the row's and the output
+  channel's scales (`integer_product`). The logprobs are those of the quantized computation, not the model's.
 
 4-bit values are packed two per byte within each block of 32 inputs (byte j holds input j in its low nibble and
 input j + 16 in its high one, GGUF's Q4_0 order), so a shard of the input axis holds whole blocks. On XLA:CPU an
@@ -37,6 +40,7 @@ import numpy as np
 PACK = 32  # inputs per packed 4-bit block
 # The matrices that int8 quantizes (norms and biases stay in the model's dtype).
 INT8_PARAMS = ("embed", "lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+W8A8 = "w8a8"  # the kind of an int8 per-channel matrix whose products are integer (`integer_product`)
 
 
 @jax.tree_util.register_dataclass
@@ -47,7 +51,7 @@ class QuantizedMatrix:
     offset: Any  # [*lead, out, in // group] float32, or None
     bits: int = dataclasses.field(metadata={"static": True}, default=8)
     group: int = dataclasses.field(metadata={"static": True}, default=32)
-    kind: str = dataclasses.field(metadata={"static": True}, default="int8")  # Q4_1, Q8_0, ..., int8
+    kind: str = dataclasses.field(metadata={"static": True}, default="int8")  # Q4_1, Q8_0, ..., int8, w8a8
     dtype: Any = dataclasses.field(
         metadata={"static": True}, default=np.dtype(np.float32)
     )  # dequantized dtype
@@ -167,7 +171,8 @@ def linear(x: jax.Array, w: Any, out_dtype: Any = None) -> jax.Array:
     """x: [..., in], w: [*out, in] (array or QuantizedMatrix) -> [..., *out] in out_dtype (default x's): one
     [out, in] product with fp32 accumulation, whatever the rank of `out`. A quantized matrix is dequantized inside
     the program, next to its product (on CPU, in row chunks that stay in the cache: CPU_CHUNK_BYTES); with one
-    scale per row (int8 per channel) the scale multiplies the product's output instead.
+    scale per row (int8 per channel) the scale multiplies the product's output instead; a W8A8 matrix is multiplied
+    in integers (`integer_product`).
 
     The product is `x @ w.T` with w [out, in]: XLA:CPU's dot computes a row of it with the same arithmetic
     whatever the number of rows (2 or more; tests/sampler/test_batch_invariance.py)."""
@@ -176,6 +181,8 @@ def linear(x: jax.Array, w: Any, out_dtype: Any = None) -> jax.Array:
     if not is_quantized(w):
         y = jnp.einsum("...i,oi->...o", x, w.reshape(rows, n), preferred_element_type=jnp.float32,
                        precision=precision(x.dtype))  # fmt: skip
+    elif w.kind == W8A8:
+        y = integer_product(x, reshape_out(w, rows))
     else:
         flat = reshape_out(w, rows)
         chunk = _chunk_rows(rows, n) if jax.default_backend() == "cpu" else rows
@@ -196,6 +203,44 @@ def _quantized_product(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
         return y * w.scale[:, 0]
     return jnp.einsum("...i,oi->...o", x, w.dequantize(x.dtype), preferred_element_type=jnp.float32,
                       precision=precision(x.dtype))  # fmt: skip
+
+
+def quantize_rows(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """fp32 activations [m, in] -> int8 values [m, in] and one fp32 scale per row [m, 1]: symmetric, values
+    round(a * 127 / max |a[r]|) (to nearest, ties to even; clipped to +-127), scale max |a[r]| * fp32(1 / 127); a row
+    of zeros gets values 0. A row's values and scale depend on that row only. Written as the multiplications XLA
+    would make of `a / scale` and `amax / 127` anyway (its simplifier turns a division by a constant or a
+    broadcast into a product with the reciprocal), so a numpy reference computes the same bits."""
+    amax = jnp.max(jnp.abs(a), axis=-1, keepdims=True)
+    amax = jnp.where(amax > 0, amax, 1.0)
+    q = jnp.clip(jnp.rint(a * (127.0 / amax)), -127, 127).astype(jnp.int8)
+    return q, amax * np.float32(1 / 127)
+
+
+def integer_product(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
+    """W8A8: x [..., in] (float) times a per-channel int8 matrix w [out, in] -> fp32 [..., out], as
+    int8 x int8 -> int32 (`quantize_rows`, then one `dot_general` contracting `in`), scaled back as
+    (int32 -> fp32) x row scale x channel scale.
+
+    One scale per output channel, not per group of inputs: then the whole input axis is one int32 dot and one
+    rescale; a scale per group would need a dot (or a rescale of partial sums) per group. Integer sums are exact
+    (|sum| <= in * 127^2, far below 2^31), and the rescale is elementwise, so a row's result does not depend on
+    the other rows nor on how XLA tiles the dot (tests/model/test_w8a8.py). In the engine on XLA:CPU, decode
+    buckets whose products run on padded rows (2, 4) agree bit for bit; an 8-row bucket's logprobs differ in the
+    last bits (below 1e-6; an open gap, measured in that test). Not the quantization's elementwise arithmetic on
+    fewer than 8 rows: quantizing on 8 rows always leaves the gap as it is.
+
+    A single row is padded to two (a zero row, scale 1): XLA:CPU multiplies one int8 row by another kernel, 2-4x
+    (layers) to 33x (logits) slower than two rows (docs/engine.md "W8A8"); the row's result is the same."""
+    *lead, n = x.shape
+    a = x.reshape(-1, n).astype(jnp.float32)
+    m = a.shape[0]
+    if m == 1:
+        a = jnp.concatenate([a, jnp.zeros_like(a)])
+    aq, ascale = quantize_rows(a)
+    acc = jax.lax.dot_general(aq, w.q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    y = acc.astype(jnp.float32) * ascale * w.scale[:, 0]
+    return y[:m].reshape(*lead, w.q.shape[0])
 
 
 def _chunk_rows(rows: int, n: int) -> int:
@@ -291,17 +336,18 @@ def reshape_out(w: Any, *out: int) -> Any:
 # -- int8 weight-only, per output channel ---------------------------------------------------------------------
 
 
-def quantize_int8(w: Any) -> QuantizedMatrix:
+def quantize_int8(w: Any, kind: str = "int8") -> QuantizedMatrix:
     """Symmetric int8 per output channel: scale = max |w[o]| / 127, q = round(w / scale). A numpy array stays on
-    the host; a jax array is quantized where it lives (e.g. on the device)."""
+    the host; a jax array is quantized where it lives (e.g. on the device). kind: "int8" (weight-only) or W8A8
+    (integer products)."""
     xp = _xp(w)
     w = xp.asarray(w, xp.float32)
     amax = xp.abs(w).max(axis=-1, keepdims=True)
     scale = xp.where(amax > 0, amax / 127.0, 1.0).astype(xp.float32)
     q = xp.clip(xp.rint(w / scale), -127, 127).astype(xp.int8)
-    return int8_matrix(q, scale)
+    return int8_matrix(q, scale, kind=kind)
 
 
-def int8_matrix(q: Any, scale: Any, dtype: Any = np.float32) -> QuantizedMatrix:
+def int8_matrix(q: Any, scale: Any, dtype: Any = np.float32, kind: str = "int8") -> QuantizedMatrix:
     """int8 values [..., out, in] with one scale per row [..., out, 1] (what int8 checkpoints store)."""
-    return QuantizedMatrix(q, scale, None, bits=8, group=q.shape[-1], kind="int8", dtype=np.dtype(dtype))
+    return QuantizedMatrix(q, scale, None, bits=8, group=q.shape[-1], kind=kind, dtype=np.dtype(dtype))

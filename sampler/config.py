@@ -15,8 +15,10 @@ class EngineConfig:
     dtype: str = "float32"  # float32 on CPU (bf16 runs ~10x slower on XLA:CPU); bfloat16 on TPU/GPU
     # Weights in memory (tpuserve.model.quant): "none" (every weight in `dtype`), "keep" (a GGUF file's
     # Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices stay in their blocks, dequantized inside the programs: the same logprobs,
-    # ~0.2x the bytes) or "int8" (weight-only, per output channel). null: the source's default (model.loader:
-    # keep for a GGUF file, chosen by measurement; the checkpoint's own for Orbax; none for safetensors).
+    # ~0.2x the bytes), "int8" (weight-only, per output channel) or "w8a8" (those int8 weights times int8
+    # activations: integer products, the quantized computation's logprobs; never a default). null: the source's
+    # default (model.loader: keep for a GGUF file, chosen by measurement; the checkpoint's own for Orbax; none for
+    # safetensors).
     quantization: str | None = None
     slots: int = 64  # B: decode batch (64 users at once; one user decodes on the smallest batch bucket)
     max_seq_len: int | None = (

@@ -1,0 +1,197 @@
+"""W8A8 (`quantization: w8a8`, tpuserve.model.quant.integer_product): int8 weights per output channel times int8
+activations per row, multiplied as int8 x int8 -> int32. The product is exactly the integer arithmetic of a numpy
+reference, close to fp32, and a row's result does not depend on the other rows; every source loads in the mode;
+on the embedded model the drift from the exact default is measured and printed (docs/engine.md "W8A8"), and an
+engine serves it batch-invariant, prefix-cache-invariant and without compiling after warm-up."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tpuserve.model.config import ModelLoadError
+from tpuserve.model.loader import load_model
+from tpuserve.model.quant import W8A8, is_quantized, linear, quantize_int8, take_rows
+from tpuserve.sampler.api import SlotParams
+
+from tests.helpers import engine_config, require_extra, run_engine
+from tests.model.test_gguf_reference import TEXT, teacher_forced
+
+
+def reference(x: np.ndarray, w) -> np.ndarray:
+    """The integer arithmetic in numpy: per-row int8 activations, an int32 product, fp32 rescales."""
+    amax = np.abs(x).max(-1, keepdims=True)
+    amax = np.where(amax > 0, amax, np.float32(1))
+    xq = np.clip(np.rint(x * (np.float32(127) / amax)), -127, 127).astype(np.int8)
+    acc = xq.astype(np.int32) @ np.asarray(w.q).astype(np.int32).T
+    return acc.astype(np.float32) * (amax * np.float32(1 / 127)) * np.asarray(w.scale)[:, 0]
+
+
+def test_product_is_the_integer_arithmetic_close_to_fp32_rows_independent() -> None:
+    rng = np.random.default_rng(3)
+    w = rng.normal(0, 0.05, (96, 160)).astype(np.float32)
+    x = rng.normal(size=(64, 160)).astype(np.float32)
+    x[5] = 0  # a row of zeros (scale guarded)
+    x[9, 7] = 40.0  # an outlier: that row's scale only
+    qm = jax.tree.map(jnp.asarray, quantize_int8(w, kind=W8A8))
+    assert qm.kind == W8A8 and qm.q.dtype == jnp.int8 and qm.scale.shape == (96, 1)
+    product = jax.jit(linear)
+    y = np.asarray(product(jnp.asarray(x), qm))
+    np.testing.assert_array_equal(y, reference(x, qm))  # bit for bit
+    assert not y[5].any()
+    exact = x @ w.T
+    rel = np.abs(y - exact).max() / np.abs(exact).max()
+    assert 0 < rel < 0.05, rel  # measured 0.03 (the outlier row's others go coarse)
+    # a row's result whatever the rows beside it: 1 row (padded to 2 inside), 2, 3, 8, 64
+    for rows in (slice(0, 1), slice(0, 2), slice(7, 10), slice(32, 40), slice(37, 38)):
+        np.testing.assert_array_equal(np.asarray(product(jnp.asarray(x[rows]), qm)), y[rows])
+    # leading axes on both sides: [4, 16, in] x [2, 48, in] (a fused gate/up)
+    fused = jax.tree.map(lambda a: a.reshape(2, 48, a.shape[-1]), qm)
+    got = np.asarray(product(jnp.asarray(x.reshape(4, 16, 160)), fused))
+    np.testing.assert_array_equal(got.reshape(64, 96), y)
+    # the embedding lookup reads int8 rows times their scale
+    ids = jnp.asarray([[3, 0], [95, 3]])
+    rows = np.asarray(qm.q)[np.asarray(ids)].astype(np.float32) * np.asarray(qm.scale)[np.asarray(ids)]
+    np.testing.assert_array_equal(np.asarray(jax.jit(take_rows)(qm, ids)), rows)
+
+
+def test_the_program_multiplies_int8_by_int8() -> None:
+    qm = jax.tree.map(jnp.asarray, quantize_int8(np.ones((8, 32), np.float32), kind=W8A8))
+    hlo = jax.jit(linear).lower(jnp.ones((4, 32)), qm).as_text()
+    assert "i8>, tensor<8x32xi8>) -> tensor<4x8xi32>" in hlo, hlo
+
+
+def test_every_source_loads_as_w8a8(tmp_path) -> None:
+    """safetensors (quantized at load), an fp32 Orbax checkpoint (quantized at load) and an int8 one (written by
+    `convert --quantization int8`, the same weights): the same int8 matrices, identical logits, close to fp32.
+    `convert` has no w8a8 form."""
+    torch = require_extra("torch")
+    transformers = require_extra("transformers")
+    from tpuserve.model.loader import convert
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "hf")
+    ids = list(np.random.default_rng(1).integers(0, 96, size=24))
+
+    def logprobs(loaded) -> np.ndarray:
+        return teacher_forced(loaded, ids)
+
+    dense = load_model(tmp_path / "hf", with_tokenizer=False)
+    at_load = load_model(tmp_path / "hf", with_tokenizer=False, quantization="w8a8")
+    weight_only = load_model(tmp_path / "hf", with_tokenizer=False, quantization="int8")
+    assert at_load.quantization == "w8a8"
+    for name in ("lm_head", "embed", "wq", "w_down"):
+        w, ref = at_load.params[name], weight_only.params[name]
+        assert w.kind == W8A8 and ref.kind == "int8"
+        np.testing.assert_array_equal(np.asarray(w.q), np.asarray(ref.q))
+        np.testing.assert_array_equal(np.asarray(w.scale), np.asarray(ref.scale))
+    got = logprobs(at_load)
+    convert(tmp_path / "hf", tmp_path / "int8", with_tokenizer=False, quantization="int8")
+    convert(tmp_path / "hf", tmp_path / "fp32", with_tokenizer=False)
+    for ckpt in ("int8", "fp32"):
+        restored = load_model(tmp_path / ckpt, with_tokenizer=False, quantization="w8a8")
+        assert restored.quantization == "w8a8"
+        assert all(p.kind == W8A8 for p in restored.params.values() if is_quantized(p))
+        np.testing.assert_array_equal(logprobs(restored), got)
+    drift = np.abs(got - logprobs(dense)).max()
+    assert 0 < drift < 0.1, drift  # random weights, no outliers: small
+    assert not np.array_equal(got, logprobs(weight_only))  # the activations are quantized too
+    with pytest.raises(ModelLoadError, match="a checkpoint holds 'none' or 'int8' weights"):
+        convert(tmp_path / "hf", tmp_path / "w8a8", with_tokenizer=False, quantization="w8a8")
+    with pytest.raises(ModelLoadError, match="use 'int8' or 'w8a8'"):
+        load_model(tmp_path / "int8", with_tokenizer=False, quantization="none")
+
+
+# -- the embedded model ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def w8a8_model():
+    return load_model(quantization="w8a8")  # its Q4_1/Q8_0 blocks dequantized, then quantized per channel
+
+
+@pytest.mark.slow
+def test_embedded_drift_from_the_exact_model(embedded, w8a8_model) -> None:
+    """Teacher-forced over the 257-token reference text, against the exact default (`keep`): the figures are
+    printed and stated in docs/engine.md "W8A8"; the bounds are about 2x what was measured."""
+    assert all(p.kind == W8A8 for p in w8a8_model.params.values() if is_quantized(p))
+    assert (
+        w8a8_model.config.tie_word_embeddings and "lm_head" not in w8a8_model.params
+    )  # the LM head is `embed`
+    ids = embedded.tokenizer.encode(TEXT)
+    ref, got = teacher_forced(embedded, ids), teacher_forced(w8a8_model, ids)
+    chosen = np.arange(len(ids) - 1), np.asarray(ids[1:])
+    tf = np.abs(got[:-1][chosen] - ref[:-1][chosen])
+    kl = (np.exp(ref) * (ref - got)).sum(-1)
+    top1 = (ref.argmax(-1) == got.argmax(-1)).mean()
+    print(f"\nw8a8 (embedded, {len(ids)} tokens) vs keep: teacher-forced |dlogprob| mean {tf.mean():.4f} max "
+          f"{tf.max():.3f}; KL mean {kl.mean():.4f} max {kl.max():.3f}; top-1 agreement {top1:.3f}")  # fmt: skip
+    # measured: 0.254, 1.81; 0.061, 0.458; 0.891
+    assert 0 < tf.mean() < 0.5 and tf.max() < 3.6
+    assert kl.mean() < 0.12 and kl.max() < 0.9
+    assert top1 > 0.8
+
+
+@pytest.mark.slow
+def test_engine_serves_w8a8_batch_invariant_without_compiling(w8a8_model) -> None:
+    """Greedy tokens alone (2 decode rows), beside 3 others (4 rows) and again from the prefix cache: bit-identical;
+    no compilation after warm-up. Beside 7 others (8 rows, the first bucket whose weight products run on every
+    row, unpadded) the tokens are the same and the logprobs differ in the last bits only (measured 4.8e-7): an
+    open gap of this mode (docs/engine.md "W8A8"), held to that bound here."""
+    from tpuserve.sampler.engine import JaxEngine
+
+    cfg = engine_config(slots=8, max_seq_len=256, min_batch_bucket=2, kv_pages=96, prefill_chunk=64,
+                        quantization="w8a8")  # fmt: skip
+    engine = JaxEngine(w8a8_model, cfg)
+    assert engine.quantization == "w8a8"
+    engine.warm_up(prompt_logprobs=False)
+    compiles: list[str] = []
+
+    def on_event(name: str, *args, **kwargs) -> None:
+        if "backend_compile" in name:
+            compiles.append(name)
+
+    tok = w8a8_model.tokenizer
+    ids = tok.encode(
+        "The lighthouse keeper climbed the stairs at dusk, as he had done every evening for forty years, "
+        "and lit the lamp; far out, a ship answered with three short blasts of its horn."
+    )  # 38 tokens
+    greedy = SlotParams(max_tokens=12, temperature=0.0)
+    others = [(s, tok.encode(f"Request {s}: once upon a time"), SlotParams(max_tokens=14, temperature=0.8, seed=s))
+              for s in range(1, 8)]  # fmt: skip
+    rows: list[int] = []  # the decode calls' batch buckets
+    buckets = engine.buckets
+
+    def spy():
+        attend, batch, steps = buckets()
+        rows.append(batch)
+        return attend, batch, steps
+
+    engine.buckets = spy
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        alone, _ = run_engine(engine, [(0, ids, greedy)])
+        hits = engine.prefix_cache_stats().hit_tokens
+        cached, _ = run_engine(engine, [(0, ids, greedy)])
+        assert engine.prefix_cache_stats().hit_tokens > hits  # prompts over 32 tokens share their full pages
+        four, _ = run_engine(engine, others[:3] + [(0, ids, greedy)])
+        eight, _ = run_engine(engine, others + [(0, ids, greedy)])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert compiles == []
+    assert {2, 4, 8} <= set(rows), rows
+    assert len(alone[0][0]) == 12 and len(set(alone[0][0])) > 1
+    print(f"\nw8a8 greedy: {tok.decode(alone[0][0])!r}")
+
+    def same(other) -> bool:
+        return (other[0] == alone[0][0] and np.array_equal(np.array(other[1]), np.array(alone[0][1]))
+                and np.array_equal(np.stack(other[3]), np.stack(alone[0][3])))  # fmt: skip
+
+    assert same(cached[0]) and same(four[0])  # tokens, logprobs and top logprobs, bit for bit
+    assert eight[0][0] == alone[0][0]  # the same greedy tokens
+    diff = np.abs(np.array(eight[0][1]) - np.array(alone[0][1])).max()
+    print(f"w8a8 beside 7 others: logprobs within {diff:.1e} of alone")
+    assert diff <= 1e-6
