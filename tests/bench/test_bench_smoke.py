@@ -265,6 +265,33 @@ def test_mixed_and_shared_system_rows(pair, tmp_path, capsys):
     assert "| mixed load" in capsys.readouterr().out
 
 
+def test_ttft_streams_rows(pair, tmp_path, capsys):
+    """A row per count of decoding streams (1 and 4 with --quick), each probe a new completion closed at its first
+    text: tpuserve's fake answers in 250 ms, llama-server's in 20 ms (MISS, ratio > 5)."""
+    tpu, llama = pair
+    out = tmp_path / "bench.json"
+    rc = run.main(["--quick", "--no-hf", "--rows", "ttft_streams", "--tpuserve-url", tpu.url,
+                   "--tpuserve-metrics-url", tpu.url, "--llama-url", llama.url, "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert [r["key"] for r in rows] == ["ttft_streams"] * 2
+    assert ["while 1 stream " in rows[0]["name"], "while 4 streams " in rows[1]["name"]] == [True, True]
+    assert all(r["result"] == MISS and r["ratio"] > 5 for r in rows)
+    assert "1/1 streams had text at the first probe" in rows[0]["note"]
+    assert "4/4 streams had text at the first probe" in rows[1]["note"]
+    raw = doc["raw"]["ttft_streams"]
+    assert all(len(raw[k]["tpuserve"][0]["ttft_s"]) == 2 for k in raw)  # --quick: 2 probes a round
+    for fake in (tpu.fake, llama.fake):
+        loads = [b for b in fake.bodies if b.get("max_tokens") == 64]  # the decoding streams: 1, then 4
+        short = [b for b in fake.bodies if b.get("max_tokens") == 2]  # 4 probes and run.py's warm-ups
+        assert len(loads) == 5 and len(short) >= 4
+        texts = [b.get("prompt") or b["messages"][-1]["content"] for b in fake.bodies]
+        assert len(set(texts)) == len(texts)  # every prompt new to its server
+        assert fake.in_flight == 0  # every probe and load stream closed
+    assert "| TTFT of a request arriving while 4 streams decode" in capsys.readouterr().out
+
+
 def test_servers_are_stopped_on_exit(tmp_path):
     """A server and the child it spawned are gone after the `Servers` block, also when it ends by an error."""
     child_pid = tmp_path / "child.pid"
