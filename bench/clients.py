@@ -190,13 +190,15 @@ async def under_load(
     path: str,
     load: Sequence[dict[str, Any]],
     probe_path: str,
-    probe: dict[str, Any],
+    probes: Sequence[dict[str, Any]],
     settle_s: float,
-) -> tuple[StreamResult, int]:
+    settled: Callable[[], Awaitable[Any]] | None = None,
+) -> tuple[list[StreamResult], int]:
     """Start the `load` streams; once each has received its first text, or `settle_s` after they were sent,
-    send `probe` and wait for its first text. Then every stream is cancelled (connections closed). Returns the
-    probe's result (to its first text) and how many load streams had text when the probe was sent."""
-    async with make_client(base_url, len(load) + 1) as client:
+    await `settled()` if given, then send the `probes` one after the other, each closed at its first text (the
+    server sees its client go). Then every stream is cancelled (connections closed). Returns the probes' results
+    (to their first text) and how many load streams had text when the first probe was sent."""
+    async with make_client(base_url, len(load) + 2) as client:
         events = [asyncio.Event() for _ in load]
         tasks = [asyncio.create_task(stream(client, path, b, e)) for b, e in zip(load, events)]
         try:
@@ -205,18 +207,23 @@ async def under_load(
             for w in waits:
                 w.cancel()
             decoding = sum(e.is_set() for e in events)
-            got, result = asyncio.Event(), StreamResult(sent=0.0)
-            probe_task = asyncio.create_task(stream(client, probe_path, probe, got, result))
-            got_task = asyncio.create_task(got.wait())
-            await asyncio.wait([probe_task, got_task], return_when=asyncio.FIRST_COMPLETED)
-            for t in (probe_task, got_task):
-                t.cancel()
-            await asyncio.gather(probe_task, got_task, return_exceptions=True)
+            if settled is not None:
+                await settled()
+            results = []
+            for probe in probes:
+                got, result = asyncio.Event(), StreamResult(sent=0.0)
+                probe_task = asyncio.create_task(stream(client, probe_path, probe, got, result))
+                got_task = asyncio.create_task(got.wait())
+                await asyncio.wait([probe_task, got_task], return_when=asyncio.FIRST_COMPLETED)
+                for t in (probe_task, got_task):
+                    t.cancel()
+                await asyncio.gather(probe_task, got_task, return_exceptions=True)
+                results.append(result)
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-    return result, decoding
+    return results, decoding
 
 
 async def sequential(

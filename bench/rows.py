@@ -281,9 +281,9 @@ def ttft_load(ctx: Context) -> list[Row]:
             load = workload.completions(side.flavour, p.load_streams, p.load_tokens)
             probe = workload.completion(side.flavour, p.load_streams + rep, p.ttft_tokens)
             coro = clients.under_load(
-                side.server.base_url, COMPLETIONS, load, COMPLETIONS, probe, p.load_settle_s
+                side.server.base_url, COMPLETIONS, load, COMPLETIONS, [probe], p.load_settle_s
             )
-            r, decoding = clients.run(lambda: coro)
+            (r,), decoding = clients.run(lambda: coro)
             side.idle()  # the cancelled load streams leave
             if r.ttft is None:
                 raise RuntimeError(f"{side.name}: the probe got no text ({r.error or r.finish_reason})")

@@ -11,50 +11,11 @@ it also meets whatever the server still does for the one that left. The row's fi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 from bench import clients, workload
 from bench.rows import COMPLETIONS, TTFT_PARTS, Context, Side, _s, _ttft_parts, alternate, log, median
 from bench.table import Row, Target, judged, not_run
-
-
-async def probes_while_decoding(
-    base_url: str,
-    load: Sequence[dict[str, Any]],
-    probes: Sequence[dict[str, Any]],
-    settle_s: float,
-    settled: Callable[[], Awaitable[Any]] | None = None,
-) -> tuple[list[clients.StreamResult], int]:
-    """Start the `load` streams; once each has text (or `settle_s` after they were sent) await `settled()` if
-    given, then send the `probes` one after the other, each closed at its first text. Returns the probes' results
-    and how many load streams had text when the first probe was sent; every stream is closed at the end."""
-    async with clients.make_client(base_url, len(load) + 2) as client:
-        events = [asyncio.Event() for _ in load]
-        tasks = [asyncio.create_task(clients.stream(client, COMPLETIONS, b, e)) for b, e in zip(load, events)]
-        try:
-            waits = [asyncio.create_task(e.wait()) for e in events]
-            await asyncio.wait(waits, timeout=settle_s)
-            for w in waits:
-                w.cancel()
-            decoding = sum(e.is_set() for e in events)
-            if settled is not None:
-                await settled()
-            results = []
-            for body in probes:
-                got, result = asyncio.Event(), clients.StreamResult(sent=0.0)
-                task = asyncio.create_task(clients.stream(client, COMPLETIONS, body, got, result))
-                waiter = asyncio.create_task(got.wait())
-                await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
-                for t in (task, waiter):
-                    t.cancel()  # the probe's connection closes: the server sees its client go
-                await asyncio.gather(task, waiter, return_exceptions=True)
-                results.append(result)
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-    return results, decoding
 
 
 def ttft_streams(ctx: Context) -> list[Row]:
@@ -79,8 +40,8 @@ def ttft_streams(ctx: Context) -> list[Row]:
                     if side.server.metrics_url:
                         marks.append(await asyncio.to_thread(_ttft_parts, side))
 
-                results, decoding = clients.run(lambda: probes_while_decoding(
-                    side.server.base_url, load, probes, p.load_settle_s, settled))  # fmt: skip
+                results, decoding = clients.run(lambda: clients.under_load(
+                    side.server.base_url, COMPLETIONS, load, COMPLETIONS, probes, p.load_settle_s, settled))  # fmt: skip
                 if marks:
                     parts[side.name].append((marks[0], _ttft_parts(side)))
                 side.idle()  # the closed load streams leave
