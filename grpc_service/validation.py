@@ -62,23 +62,28 @@ def _message(m: pb.ChatMessage, field: str) -> dict[str, Any]:
 
 def chat_messages(
     chat: pb.ChatMessages, field: str = "chat"
-) -> tuple[list[dict[str, Any]], bool, list | None]:
-    """Messages as the tokenizer's `render_chat` takes them, add_generation_prompt (default true), and the
-    tools (None when none are offered)."""
+) -> tuple[list[dict[str, Any]], bool, list | None, dict[str, Any] | None]:
+    """Messages as the tokenizer's `render_chat` takes them, add_generation_prompt (default true), the tools
+    (None when none are offered) and the further chat-template arguments (None when none)."""
     add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     messages = [_message(m, f"{field}.messages[{n}]") for n, m in enumerate(chat.messages)]
     tools = _json(chat.tools_json, f"{field}.tools_json") if chat.tools_json else None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise InvalidRequest(f"{field}.tools_json", "must be a JSON list of tool objects")
-    return messages, add, tools or None
+    kwargs = None
+    if chat.chat_template_kwargs_json:
+        kwargs = _json(chat.chat_template_kwargs_json, f"{field}.chat_template_kwargs_json")
+        if not isinstance(kwargs, dict):
+            raise InvalidRequest(f"{field}.chat_template_kwargs_json", "must be a JSON object")
+    return messages, add, tools or None, kwargs or None
 
 
 def render_chat(tokenizer: Tokenizer, chat: pb.ChatMessages, field: str) -> tuple[str, list[int]]:
-    messages, add, tools = chat_messages(chat, field)
+    messages, add, tools, kwargs = chat_messages(chat, field)
     if not messages:
         raise InvalidRequest(f"{field}.messages", "at least one message is required")
     try:
-        return tokenizer.render_chat(messages, add_generation_prompt=add, tools=tools)
+        return tokenizer.render_chat(messages, add_generation_prompt=add, tools=tools, template_kwargs=kwargs)
     except ValueError as e:
         raise InvalidRequest(field, str(e)) from None
 

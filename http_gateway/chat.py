@@ -14,6 +14,7 @@ extensions, in vLLM's shapes.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -85,6 +86,8 @@ def to_proto(req: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
     chat = pb.ChatMessages(messages=[_message(m) for m in req.messages])
     if req.offers_tools():
         chat.tools_json = tools_json(req.functions())
+    if req.chat_template_kwargs:
+        chat.chat_template_kwargs_json = json.dumps(req.chat_template_kwargs)
     prompt_logprobs = req.prompt_logprobs is not None
     msg = pb.GenerateRequest(
         request_id=request_id,

@@ -9,7 +9,7 @@ messages answer earlier calls, a named tool_choice names a given tool).
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from tpuserve.http_gateway import tools as fn_tools
@@ -181,6 +181,11 @@ class ChatCompletionRequest(_Common):
         None,
         description="vLLM's extension: `prompt_logprobs`, one entry per prompt token (the first null), each "
         "{token id: {logprob, rank, decoded_token}} for the prompt token and the k most likely. Not streamed.",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="vLLM's extension: further variables for the model's chat template, e.g. "
+        '{"enable_thinking": false} for Qwen3. They may not set messages, tools or add_generation_prompt.',
     )
 
     def check_supported(self) -> None:

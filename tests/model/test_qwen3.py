@@ -243,3 +243,41 @@ def test_chat_template_with_enable_thinking_renders_what_transformers_renders(
     )
     with pytest.raises(ValueError, match="may not set messages"):
         ours.render_chat(messages, template_kwargs={"messages": []})
+
+
+def test_chat_template_kwargs_reach_the_template_over_grpc_and_http(qwen3_tokenizer_dir):
+    """`enable_thinking` as a gRPC chat's chat_template_kwargs_json and as vLLM's `chat_template_kwargs` over HTTP
+    (the fake engine behind a real backend and gateway): the prompt ids are transformers' for the same arguments;
+    arguments the template may not take, or that are not an object, are a 400."""
+    import httpx
+    from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
+
+    from tests.grpc_service.conftest import ServerThread
+    from tests.grpc_service.fake_engine import make_engine
+    from tests.http_gateway.gateway_harness import GatewayServer
+
+    ours = load_tokenizer(qwen3_tokenizer_dir)
+    ref = transformers.AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir))
+    messages = CHATS["first-turn"]
+    server = ServerThread(make_engine(ours, slots=2, max_seq_len=256), ours, model_id="qwen3-chat")
+    gateway = GatewayServer([server.address]).start()
+    try:
+        for thinking in (False, True):
+            want = ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                           enable_thinking=thinking)  # fmt: skip
+            want = list(want if isinstance(want, list) else want["input_ids"])
+            chat = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in messages],
+                                   chat_template_kwargs_json=json.dumps({"enable_thinking": thinking}))  # fmt: skip
+            assert list(server.stub.RenderChat(pb.RenderChatRequest(chat=chat)).token_ids) == want
+            body = {"model": "qwen3-chat", "messages": messages, "max_tokens": 1, "return_token_ids": True,
+                    "chat_template_kwargs": {"enable_thinking": thinking}}  # fmt: skip
+            r = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["prompt_token_ids"] == want
+        for bad in ({"messages": []}, ["enable_thinking"]):
+            body = {"model": "qwen3-chat", "messages": messages, "max_tokens": 1, "chat_template_kwargs": bad}
+            r = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    finally:
+        gateway.stop()
+        server.close()

@@ -53,14 +53,16 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
-    __slots__ = ("messages", "add_generation_prompt", "tools_json")
+    __slots__ = ("messages", "add_generation_prompt", "tools_json", "chat_template_kwargs_json")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     add_generation_prompt: bool
     tools_json: str
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., tools_json: _Optional[str] = ...) -> None: ...
+    chat_template_kwargs_json: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., tools_json: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class GuidedDecoding(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "lark_grammar")
@@ -173,7 +175,7 @@ class Token(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., token_bytes: _Optional[bytes] = ..., special_text: _Optional[str] = ..., logprob: _Optional[float] = ..., special: _Optional[bool] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "index", "tokens", "text", "prompt_tokens", "finish_reason", "stop_reason", "stop_token_id", "finished", "prompt_tokens_count", "cached_prompt_tokens_count", "completion_tokens_count", "error_message", "prompt_token_ids")
+    __slots__ = ("request_id", "index", "tokens", "text", "prompt_tokens", "finish_reason", "stop_reason", "stop_token_id", "finished", "prompt_tokens_count", "cached_prompt_tokens_count", "completion_tokens_count", "error_message", "prompt_token_ids", "weight_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +190,7 @@ class GenerateResponse(_message.Message):
     COMPLETION_TOKENS_COUNT_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     tokens: _containers.RepeatedCompositeFieldContainer[Token]
@@ -202,7 +205,8 @@ class GenerateResponse(_message.Message):
     completion_tokens_count: int
     error_message: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., text: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., finished: _Optional[bool] = ..., prompt_tokens_count: _Optional[int] = ..., cached_prompt_tokens_count: _Optional[int] = ..., completion_tokens_count: _Optional[int] = ..., error_message: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    weight_version: str
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., text: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., finished: _Optional[bool] = ..., prompt_tokens_count: _Optional[int] = ..., cached_prompt_tokens_count: _Optional[int] = ..., completion_tokens_count: _Optional[int] = ..., error_message: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat", "add_special_tokens")
@@ -255,7 +259,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "context_length", "max_top_logprobs", "eos_token_ids", "dtype", "mesh_shape", "mesh_axes", "slots", "max_n", "created", "readiness", "weight_bytes", "quantization", "num_processes", "pages")
+    __slots__ = ("model_id", "vocab_size", "context_length", "max_top_logprobs", "eos_token_ids", "dtype", "mesh_shape", "mesh_axes", "slots", "max_n", "created", "readiness", "weight_bytes", "quantization", "num_processes", "pages", "weight_version", "served_model_names")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +276,8 @@ class ModelInfo(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     context_length: int
@@ -288,7 +294,31 @@ class ModelInfo(_message.Message):
     quantization: str
     num_processes: int
     pages: PageCounts
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_axes: _Optional[_Iterable[str]] = ..., slots: _Optional[int] = ..., max_n: _Optional[int] = ..., created: _Optional[int] = ..., readiness: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., num_processes: _Optional[int] = ..., pages: _Optional[_Union[PageCounts, _Mapping]] = ...) -> None: ...
+    weight_version: str
+    served_model_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_axes: _Optional[_Iterable[str]] = ..., slots: _Optional[int] = ..., max_n: _Optional[int] = ..., created: _Optional[int] = ..., readiness: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., num_processes: _Optional[int] = ..., pages: _Optional[_Union[PageCounts, _Mapping]] = ..., weight_version: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("model_path", "weight_version", "abort_in_flight")
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ABORT_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    model_path: str
+    weight_version: str
+    abort_in_flight: bool
+    def __init__(self, model_path: _Optional[str] = ..., weight_version: _Optional[str] = ..., abort_in_flight: _Optional[bool] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("success", "message", "weight_version", "num_aborted")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    message: str
+    weight_version: str
+    num_aborted: int
+    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ..., weight_version: _Optional[str] = ..., num_aborted: _Optional[int] = ...) -> None: ...
 
 class PageCounts(_message.Message):
     __slots__ = ("page_tokens", "total", "used", "shared", "cached", "free", "preemptions")

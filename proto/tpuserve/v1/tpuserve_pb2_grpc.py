@@ -59,6 +59,11 @@ class TextGenerationStub:
                 request_serializer=tpuserve_dot_v1_dot_tpuserve__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=tpuserve_dot_v1_dot_tpuserve__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/tpuserve.v1.TextGeneration/UpdateWeights',
+                request_serializer=tpuserve_dot_v1_dot_tpuserve__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=tpuserve_dot_v1_dot_tpuserve__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -99,6 +104,16 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeights(self, request, context):
+        """Load new weights and swap them in between two decode calls (docs/weight-updates.md). Off unless the backend
+        has an admin key (--admin-key): then the call's metadata must carry `authorization: Bearer <key>`, else
+        PERMISSION_DENIED (UNIMPLEMENTED with no key set). A checkpoint that cannot be served is not an RPC error:
+        success = false and the message says why; the old weights keep serving.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +141,11 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=tpuserve_dot_v1_dot_tpuserve__pb2.GetModelInfoRequest.FromString,
                     response_serializer=tpuserve_dot_v1_dot_tpuserve__pb2.ModelInfo.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=tpuserve_dot_v1_dot_tpuserve__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=tpuserve_dot_v1_dot_tpuserve__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +283,33 @@ class TextGeneration:
             '/tpuserve.v1.TextGeneration/GetModelInfo',
             tpuserve_dot_v1_dot_tpuserve__pb2.GetModelInfoRequest.SerializeToString,
             tpuserve_dot_v1_dot_tpuserve__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tpuserve.v1.TextGeneration/UpdateWeights',
+            tpuserve_dot_v1_dot_tpuserve__pb2.UpdateWeightsRequest.SerializeToString,
+            tpuserve_dot_v1_dot_tpuserve__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,
