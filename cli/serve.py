@@ -26,7 +26,12 @@ from collections.abc import Sequence
 from tpuserve.cli import backend as backend_command
 from tpuserve.cli import gateway as gateway_command
 from tpuserve.cli import settings
-from tpuserve.grpc_service.settings import ServerSettings, add_quantization_flag
+from tpuserve.grpc_service.settings import (
+    ADMIN_KEY_ENV,
+    ServerSettings,
+    add_names_flags,
+    add_quantization_flag,
+)
 from tpuserve.http_gateway.settings import GatewaySettings
 
 log = logging.getLogger("tpuserve.serve")
@@ -77,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
         help="YAML config (configs/*.yaml): engine:/server: sections, gateway: section",
     )
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (or $TPUSERVE_API_KEY)")
+    add_names_flags(p)
+    p.add_argument("--weight-version", default=None, help="the version of the weights served at start")
     p.add_argument(
         "--metrics-port",
         type=int,
@@ -115,12 +122,22 @@ def _backend_argv(args: argparse.Namespace, server: ServerSettings) -> list[str]
         argv += ["--log-prompts"]
     if args.coordinator:
         argv += ["--coordinator", args.coordinator]
-    return argv
+    if args.served_model_name:
+        argv += ["--served-model-name", *args.served_model_name]
+    if args.weight_version:
+        argv += ["--weight-version", args.weight_version]
+    return argv  # the admin key goes by the environment (main), not on a command line others can read
 
 
 def _gateway_argv(args: argparse.Namespace, server: ServerSettings, extra: list[str]) -> list[str]:
     argv = ["--backend", f"{_reachable(server.host)}:{server.port}"]
-    for flag, value in (("--host", args.host), ("--port", args.port), ("--api-key", args.api_key)):
+    flags = (
+        ("--host", args.host),
+        ("--port", args.port),
+        ("--api-key", args.api_key),
+        ("--admin-key", args.admin_key),
+    )
+    for flag, value in flags:
         if value is not None:
             argv += [flag, str(value)]
     if args.log_prompts:
@@ -153,7 +170,10 @@ def plan(argv: Sequence[str] | None = None) -> tuple[list[str], GatewaySettings]
 
 def main(argv: Sequence[str] | None = None) -> int:
     backend_cmd, gateway = plan(argv)
-    backend = subprocess.Popen(backend_cmd, preexec_fn=_die_with_parent)  # noqa: PLW1509 (no threads yet)
+    env = dict(os.environ)
+    if gateway.admin_key:  # the backend checks the key the gateway hands on
+        env[ADMIN_KEY_ENV] = gateway.admin_key
+    backend = subprocess.Popen(backend_cmd, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509 (no threads yet)
     died: list[int] = []  # the backend's exit code, when it exited on its own
 
     def watch() -> None:  # a backend that exits by itself (a failed process group, a crash) stops the gateway

@@ -34,6 +34,8 @@ class RequestStream:
         self.job = job
         self.submitted = time.monotonic()
         self.deadline = deadline  # time.monotonic() by which the client stops waiting (its gRPC deadline)
+        # the weights that compute it: set by the engine thread when it starts, before its first event
+        self.weight_version = ""
         self._loop = loop
         self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
 

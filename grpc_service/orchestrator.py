@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import heapq
 import logging
 import queue
@@ -46,7 +47,20 @@ class Stats(NamedTuple):
     used_positions: int = 0  # KV-cache positions of the samples holding slots (prompt + generated)
 
 
-_SUBMIT, _CANCEL, _STOP = "submit", "cancel", "stop"
+_SUBMIT, _CANCEL, _STOP, _UPDATE = "submit", "cancel", "stop", "update"
+
+
+@dataclasses.dataclass
+class WeightUpdate:
+    """New weights to swap in (Engine.load_weights / weights_from_arrays), as `version`. `abort`: end the requests
+    in flight at once (ABORTED) instead of finishing them on the old weights first. `done(result)` is called on
+    the engine thread once: with the number of requests aborted after the swap, or with the exception that
+    stopped it (the old weights still serve)."""
+
+    weights: object
+    version: str
+    abort: bool
+    done: Callable[[int | BaseException], None]
 
 
 class Orchestrator:
@@ -69,7 +83,11 @@ class Orchestrator:
         self.policy = Policy(prefill_budget or engine.prefill_chunk, overlap_max_call_s)
         self._token_bytes = token_bytes
         self._special = frozenset(special_ids)
-        self._commands: queue.SimpleQueue[tuple[str, RequestStream | None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[str, RequestStream | WeightUpdate | None]] = (
+            queue.SimpleQueue()
+        )
+        self._update: WeightUpdate | None = None  # weights waiting for the engine to drain (or be aborted)
+        self._aborted = 0  # requests the waiting update aborted
         self._admitting = True  # event loop thread
         self._stopped = threading.Event()  # set by the engine thread when it has stopped
         self._thread: threading.Thread | None = None
@@ -121,6 +139,12 @@ class Orchestrator:
         """Free the request's slots before the next decode call (idempotent)."""
         self._commands.put((_CANCEL, stream))
 
+    def update_weights(self, update: WeightUpdate) -> None:
+        """Swap in new weights between two decode calls (docs/weight-updates.md): no request starts meanwhile;
+        those in flight finish first on the old weights, or end at once with ABORTED (`update.abort`); the prefix
+        cache is forgotten. Thread-safe; `update.done` reports the end."""
+        self._commands.put((_UPDATE, update))
+
     def stop_admission(self) -> None:
         self._admitting = False
 
@@ -165,6 +189,9 @@ class Orchestrator:
         finally:
             self._stopped.set()
             self._fail_all("the server is shutting down", include_queued=True)
+            if self._update is not None:
+                self._update.done(RuntimeError("the server is shutting down; the weights were not updated"))
+                self._update = None
             self._publish()
 
     def _await_call(self) -> bool:
@@ -181,7 +208,13 @@ class Orchestrator:
         return True
 
     def _busy(self) -> bool:
-        return bool(self._owner or self._waiting or self._prefilling or self._inflight or self._firsts)
+        return bool(
+            self._owner or self._waiting or self._prefilling or self._inflight or self._firsts or self._update
+        )
+
+    def _engine_empty(self) -> bool:
+        """No sequence in the engine and no call in flight: weights can swap."""
+        return not (self._owner or self._prefilling or self._inflight or self._firsts)
 
     def _take_commands(self) -> bool:
         """Apply every waiting command; block for one when there is nothing else to do. False: stop."""
@@ -195,11 +228,37 @@ class Orchestrator:
                 return False
             if kind == _SUBMIT:
                 self._waiting.append(stream)
+            elif kind == _UPDATE:
+                self._start_update(stream)
             else:
                 self._cancel(stream)
             block = False
 
+    def _start_update(self, update: WeightUpdate) -> None:
+        if self._update is not None:
+            update.done(RuntimeError("another weight update is in progress"))
+            return
+        self._update, self._aborted = update, 0
+        if update.abort:
+            self._aborted = len(self._running)
+            # the call in flight is left to finish on the device: its outputs are nobody's now
+            self._fail_all(f"aborted: the server is swapping in weights {update.version!r}", code="ABORTED")
+
+    def _swap_weights(self) -> None:
+        update, self._update = self._update, None
+        assert update is not None
+        try:
+            self.engine.swap_weights(update.weights, update.version)
+        except Exception as exc:
+            log.exception("weight swap failed")
+            update.done(exc)
+            return
+        log.info("weights swapped: now serving %r", update.version)
+        update.done(self._aborted)
+
     def _turn(self) -> None:
+        if self._update is not None and self._engine_empty():  # between two calls, with nothing in the engine
+            self._swap_weights()
         self._admit()  # first: a request that finds a free slot now is served, however long it waited
         self._waiting.drop_expired()
         self._advance_prefills()
@@ -266,7 +325,7 @@ class Orchestrator:
 
     def _admit(self) -> None:
         """Waiting requests take their slots (Policy.admits) and start their prefill."""
-        while (stream := self._waiting.head()) is not None:
+        while self._update is None and (stream := self._waiting.head()) is not None:
             if not self.policy.admits(stream.job, len(self._free), self.engine):
                 return
             self._start(self._waiting.pop())
@@ -275,6 +334,7 @@ class Orchestrator:
 
     def _start(self, stream: RequestStream) -> None:
         job = stream.job
+        stream.weight_version = self.engine.weight_version  # no swap until it has ended
         trackers = [SampleTracker(job, i, self._token_bytes, self._special) for i in range(job.n)]
         run = Running(stream, trackers, admitted=time.monotonic())
         self._running[id(stream)] = run

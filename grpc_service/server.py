@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,7 @@ from tpuserve.grpc_service.guided import Grammars
 from tpuserve.grpc_service.metrics import BackendMetrics, watch_compiles
 from tpuserve.grpc_service.orchestrator import Orchestrator
 from tpuserve.grpc_service.servicer import TextGenerationServicer
-from tpuserve.grpc_service.settings import ServerSettings, ServerTLS, parse_args
+from tpuserve.grpc_service.settings import ADMIN_KEY_ENV, ServerSettings, ServerTLS, parse_args
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2_grpc as pb_grpc
 from tpuserve.sampler.api import Engine
@@ -79,6 +80,21 @@ class GrpcServer:
         elif not self.ready.done():
             self.ready.set_exception(error)
 
+    async def update_weights(
+        self,
+        version: str,
+        *,
+        path: str | None = None,
+        params: dict[str, Any] | None = None,
+        abort_in_flight: bool = False,
+    ) -> tuple[bool, str, int]:
+        """The in-process form of UpdateWeights (no admin key: the caller owns the process): new weights from
+        `path` or from a trainer's `params` (canonical names, any placement; see docs/weight-updates.md) ->
+        (success, message, requests aborted)."""
+        return await self.servicer.update_weights(
+            version, path=path, params=params, abort_in_flight=abort_in_flight
+        )
+
     def fail(self, message: str) -> None:
         """On the event loop: the engine cannot go on (a process of its group failed; this process exits soon).
         Every open request ends with UNAVAILABLE (the gateway answers 503), no new ones, health NOT_SERVING."""
@@ -124,12 +140,19 @@ async def start_server(
     metrics_port: int = 0,
     log_prompts: bool = ServerSettings.log_prompts,
     tls: ServerTLS | None = None,
+    served_model_names: Sequence[str] | None = None,
+    admin_key: str | None = None,
+    weight_version: str | None = None,
 ) -> GrpcServer:
     """Bind (port 0 = any free port), start, and start the engine thread (it runs `warmup(progress)` first;
     `progress(k, n, stage, seconds)` after each stage logs it and sets the readiness detail of GetModelInfo).
 
     `metrics_port`: serve Prometheus metrics over HTTP on `host` at this port (0 = off, as on the command line).
-    `tls`: serve over TLS instead of plaintext."""
+    `tls`: serve over TLS instead of plaintext. `served_model_names`: the names the model answers to (default
+    `model_id`); `admin_key`: UpdateWeights' bearer key (None: off); `weight_version`: the version of the weights
+    it starts with (default: the engine's)."""
+    if weight_version is not None:
+        engine.weight_version = weight_version
     orchestrator = Orchestrator(
         engine,
         tokenizer.token_bytes,
@@ -148,6 +171,8 @@ async def start_server(
         max_prompt_tokens=max_prompt_tokens,
         metrics=metrics,
         log_prompts=log_prompts,
+        served_model_names=served_model_names,
+        admin_key=admin_key,
     )
     server, health = await _grpc_server(servicer)
     bound = _bind(server, host, port, tls)
@@ -351,4 +376,7 @@ def _serve_options(server: ServerSettings, cfg: EngineConfig) -> dict[str, Any]:
         "metrics_port": server.metrics_port or 0,
         "log_prompts": server.log_prompts,
         "tls": server.tls(),
+        "served_model_names": server.served_model_name,
+        "admin_key": server.admin_key or os.environ.get(ADMIN_KEY_ENV) or None,
+        "weight_version": server.weight_version,
     }

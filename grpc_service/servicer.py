@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from tpuserve.grpc_service.admission import QueueFullError, RequestStream, ShuttingDownError
 from tpuserve.grpc_service.convert import TokenConverter
 from tpuserve.grpc_service.jobs import ErrorEvent, Finish, PromptEvent, SampleEvent
 from tpuserve.grpc_service.metrics import BackendMetrics
-from tpuserve.grpc_service.orchestrator import Orchestrator
+from tpuserve.grpc_service.orchestrator import Orchestrator, WeightUpdate
 from tpuserve.grpc_service.settings import ServerSettings
 from tpuserve.grpc_service.validation import InvalidRequest, Limits, build_job, check_token_ids, render_chat
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
@@ -74,6 +75,11 @@ def _prompt_of(request: pb.GenerateRequest) -> object:
     if kind == "chat":
         return [{"role": m.role, "content": m.content} for m in request.chat.messages]
     return None
+
+
+def _versioned(msg: pb.GenerateResponse, stream: RequestStream) -> pb.GenerateResponse:
+    msg.weight_version = stream.weight_version
+    return msg
 
 
 class _Responses:
@@ -153,13 +159,20 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         max_prompt_tokens: int | None = EngineConfig.max_prompt_tokens,
         metrics: BackendMetrics | None = None,
         log_prompts: bool = ServerSettings.log_prompts,
+        served_model_names: Sequence[str] | None = None,
+        admin_key: str | None = None,
     ) -> None:
+        """`served_model_names`: every name the model answers to (the first is ModelInfo.model_id; default
+        `model_id`). `admin_key`: the bearer key UpdateWeights needs (None: UpdateWeights is off)."""
         engine: Engine = orchestrator.engine
         self.metrics = metrics
         self.log_prompts = log_prompts
         self.orchestrator = orchestrator
         self.tokenizer = tokenizer
-        self.model_id = model_id
+        self.served_model_names = list(served_model_names or [model_id])
+        self.model_id = self.served_model_names[0]
+        self.admin_key = admin_key
+        self._updating = asyncio.Lock()  # one weight update at a time
         self.limits = Limits(
             vocab_size=min(tokenizer.vocab_size, engine.vocab_size),
             # a sequence must fit the KV pool too: one longer than the pool could never finish
@@ -228,9 +241,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         try:
             async for event in stream.events():
                 if isinstance(event, PromptEvent):
-                    yield out.prompt(event)
+                    yield _versioned(out.prompt(event), stream)
                 elif isinstance(event, SampleEvent):
-                    yield out.sample(event)
+                    yield _versioned(out.sample(event), stream)
                 elif (
                     event.code != "INTERNAL"
                 ):  # dropped from the queue (deadline, max_queue_wait): nothing sent
@@ -239,7 +252,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                     await context.abort(grpc.StatusCode[event.code], event.message)
                 else:  # the engine failed: every open sample ends with ERROR, then the call with INTERNAL
                     for msg in out.fail_open(event.message):
-                        yield msg
+                        yield _versioned(msg, stream)
                     rec.code, rec.error = "INTERNAL", event.message
                     await context.abort(grpc.StatusCode.INTERNAL, event.message)
         finally:
@@ -360,4 +373,67 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             quantization=caps.quantization,
             num_processes=engine.num_processes,
             pages=_page_counts(engine),
+            weight_version=engine.weight_version,
+            served_model_names=self.served_model_names,
         )
+
+    # ---- weights ----------------------------------------------------------------------------------------
+
+    async def UpdateWeights(
+        self, request: pb.UpdateWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UpdateWeightsResponse:
+        if self.admin_key is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                "weight updates are off: start the backend with --admin-key (or $TPUSERVE_ADMIN_KEY)")  # fmt: skip
+        sent = dict(context.invocation_metadata() or ()).get("authorization", "")
+        if not hmac.compare_digest(sent.encode(), f"Bearer {self.admin_key}".encode()):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "UpdateWeights needs the admin key "
+                                "(metadata authorization: Bearer <key>)")  # fmt: skip
+        if not request.model_path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_path: a checkpoint path is required")
+        version = request.weight_version or request.model_path
+        success, message, aborted = await self.update_weights(
+            version, path=request.model_path, abort_in_flight=request.abort_in_flight
+        )
+        return pb.UpdateWeightsResponse(success=success, message=message, num_aborted=aborted,
+                                        weight_version=self.orchestrator.engine.weight_version)  # fmt: skip
+
+    async def update_weights(
+        self,
+        version: str,
+        *,
+        path: str | None = None,
+        params: dict[str, Any] | None = None,
+        abort_in_flight: bool = False,
+    ) -> tuple[bool, str, int]:
+        """Load new weights (from `path`, or a trainer's `params` arrays) beside the served ones, then swap them in
+        between two decode calls (Orchestrator.update_weights) -> (success, message, requests aborted). A source
+        that cannot replace the served weights is (False, why, 0): the old ones keep serving."""
+        engine = self.orchestrator.engine
+        async with self._updating:
+            start = time.perf_counter()
+            try:
+                if path is not None:
+                    weights = await asyncio.to_thread(engine.load_weights, path)
+                else:
+                    weights = await asyncio.to_thread(engine.weights_from_arrays, params)
+            except (ValueError, OSError, NotImplementedError) as e:  # ModelLoadError is a ValueError
+                log.warning("weight update to %r refused: %s", version, e)
+                return False, str(e), 0
+            except Exception as e:
+                log.exception("weight update to %r failed", version)
+                return False, f"loading failed: {type(e).__name__}: {e}", 0
+            loaded = time.perf_counter() - start
+            loop = asyncio.get_running_loop()
+            done: asyncio.Future[int | BaseException] = loop.create_future()
+            self.orchestrator.update_weights(WeightUpdate(
+                weights, version, abort_in_flight,
+                lambda result: loop.call_soon_threadsafe(done.set_result, result),
+            ))  # fmt: skip
+            result = await done
+            if isinstance(result, BaseException):
+                return False, str(result), 0
+            message = (f"serving weights {version!r}: loaded in {loaded:.1f} s, swapped after "
+                       f"{time.perf_counter() - start - loaded:.1f} s; {result} request(s) aborted")  # fmt: skip
+            log.info("%s", message)
+            return True, message, result

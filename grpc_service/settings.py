@@ -68,8 +68,25 @@ class ServerSettings:
     # a process silent this long (dead, stopped): NOT_SERVING, UNAVAILABLE, all exit 1
     peer_timeout: float = 30.0
     init_timeout: float = 300.0  # seconds every process waits for the others (and the coordinator) at start
+    # The names the model answers to (vLLM's --served-model-name: the first is its id, the others aliases); unset:
+    # the model file's or directory's name. A weight update never changes them.
+    served_model_name: tuple[str, ...] | None = None
+    # UpdateWeights' bearer key (docs/weight-updates.md); unset: $TPUSERVE_ADMIN_KEY, and without it updates are off
+    admin_key: str | None = dataclasses.field(default=None, repr=False)
+    weight_version: str = "default"  # the version of the weights served at start (answers carry it)
 
     def __post_init__(self) -> None:
+        if self.served_model_name is not None:
+            names = (
+                (self.served_model_name,)
+                if isinstance(self.served_model_name, str)
+                else self.served_model_name
+            )
+            object.__setattr__(self, "served_model_name", tuple(names))
+            if not names or any(not n.strip() for n in names):
+                raise ValueError("--served-model-name needs one or more non-empty names")
+        if not self.weight_version:
+            raise ValueError("--weight-version must not be empty")
         if self.log_format not in ("json", "text"):
             raise ValueError(f"log_format must be json or text, not {self.log_format!r}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
@@ -117,6 +134,18 @@ def add_quantization_flag(p: argparse.ArgumentParser) -> None:
         "w8a8 (int8 per channel times int8 activations: integer products, other logprobs); "
         "default: the source's (GGUF: see docs/engine.md)",
     )
+
+
+ADMIN_KEY_ENV = "TPUSERVE_ADMIN_KEY"
+
+
+def add_names_flags(p: argparse._ActionsContainer) -> None:
+    """--served-model-name and --admin-key, here and on `tpuserve serve`, which hands them to the backend."""
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names the model answers to (the first is its id); default: the model's file or "
+                        "directory name")  # fmt: skip
+    p.add_argument("--admin-key", default=None,
+                   help=f"bearer key of the weight-update endpoints (default ${ADMIN_KEY_ENV}; unset: off)")  # fmt: skip
 
 
 def parser(prog: str = "python -m tpuserve.grpc_service") -> argparse.ArgumentParser:
@@ -185,6 +214,10 @@ def parser(prog: str = "python -m tpuserve.grpc_service") -> argparse.ArgumentPa
         default=None,
         help="require client certificates signed by this CA (mutual TLS)",
     )
+    g = p.add_argument_group("weights and names (docs/weight-updates.md)")
+    add_names_flags(g)
+    g.add_argument("--weight-version", default=None,
+                   help=f"the version of the weights served at start (default {DEFAULTS.weight_version})")  # fmt: skip
     g = p.add_argument_group(
         "several processes (one model across the hosts of a TPU slice; docs/multiprocess.md)"
     )

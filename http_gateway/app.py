@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import Headers
 from tpuserve.http_gateway import chat, completions, openapi, responses
+from tpuserve.http_gateway.admin import add_admin_routes
 from tpuserve.http_gateway.auth import BearerAuth
 from tpuserve.http_gateway.backends import BackendPool, BackendTLS
 from tpuserve.http_gateway.completion_objects import ModelCard, ModelList, OpenAIObject
@@ -105,12 +106,15 @@ def create_app(
     log_prompts: bool = False,
     cors_allow_origins: list[str] | None = None,
     backend_tls: BackendTLS | None = None,
+    admin_key: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible gateway in front of gRPC `backends` ("host:port"). With `api_key`, /v1/* needs
     `Authorization: Bearer <api_key>`; /health, /metrics and /openapi.json stay open. `limits`: body size,
     concurrency, n. `cors_allow_origins`: browser origins allowed to call the API (CORS is off without them;
     "*" allows any). `backend_tls`: reach the backends over TLS. `pool`: a ready-made pool (tests), which brings
-    its own TLS and timeout settings (`backend_tls` and `limits.request_timeout_s` are then not used)."""
+    its own TLS and timeout settings (`backend_tls` and `limits.request_timeout_s` are then not used).
+    `admin_key`: serve POST /v1/admin/update_weights under this bearer key (http_gateway/admin.py); None: no
+    such route."""
     limits = limits or Limits()
     pool = pool or BackendPool(backends, tls=backend_tls, request_timeout_s=limits.request_timeout_s)
     metrics = GatewayMetrics()
@@ -143,6 +147,8 @@ def create_app(
             max_age=600,
         )
     _add_api_routes(app, pool, limits)
+    if admin_key:
+        add_admin_routes(app, pool, admin_key)
     _add_service_routes(app, pool, metrics, openapi.build(api_key=bool(api_key)))
     add_playground_routes(app)  # the logprob playground page at / and /playground (open: it asks for the key)
     return app
@@ -201,9 +207,11 @@ def _add_service_routes(app: FastAPI, pool: BackendPool, metrics: GatewayMetrics
     async def health() -> Response:
         """200 when a backend serves; 503 otherwise. Both say where each backend is (`readiness`); the 200 also
         gives the KV pool's page counts of each backend that pages its KV cache (`pages`, {} when none does)."""
-        serving, (readiness, pages) = await asyncio.gather(pool.healthy(), pool.readiness())
+        serving, (readiness, pages, versions) = await asyncio.gather(pool.healthy(), pool.readiness())
         if serving:
-            return JSONResponse({"status": "ok", "backends": readiness, "pages": pages})
+            return JSONResponse(
+                {"status": "ok", "backends": readiness, "pages": pages, "weight_versions": versions}
+            )
         detail = "; ".join(f"{address}: {state}" for address, state in readiness.items())
         error = APIError(
             503, f"No backend is serving ({detail}).", "server_error", None, "service_unavailable"

@@ -83,15 +83,22 @@ class Backend:
             log.warning("backend %s: GetModelInfo failed: %s", self.address, e.code().name)
         return self.info
 
-    async def readiness(self) -> tuple[str, dict[str, int] | None]:
-        """The backend's own word on where it is ("warming up 7/24: ...", "serving"), or why it cannot say; and
-        its KV pool's page counts (PAGE_FIELDS) when it pages its KV cache, else None. One GetModelInfo call."""
+    async def readiness(self) -> tuple[str, dict[str, int] | None, str | None]:
+        """The backend's own word on where it is ("warming up 7/24: ...", "serving"), or why it cannot say; its
+        KV pool's page counts (PAGE_FIELDS) when it pages its KV cache, else None; the version of its weights
+        (None when it cannot say). One GetModelInfo call."""
         try:
             info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=HEALTH_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
-            return f"unreachable ({e.code().name})", None
+            return f"unreachable ({e.code().name})", None, None
         pages = {f: getattr(info.pages, f) for f in PAGE_FIELDS} if info.HasField("pages") else None
-        return info.readiness or "unknown", pages
+        return info.readiness or "unknown", pages, info.weight_version or None
+
+    def names(self) -> list[str]:
+        """The names its model answers to (none before its info is known)."""
+        if self.info is None:
+            return []
+        return list(self.info.served_model_names) or [self.info.model_id]
 
     async def serving(self) -> bool:
         try:
@@ -129,24 +136,28 @@ class BackendPool:
         await asyncio.gather(*(b.refresh_info() for b in todo))
 
     def models(self) -> dict[str, pb.ModelInfo]:
-        return {b.info.model_id: b.info for b in self.backends if b.info is not None}
+        """Every served name (aliases included) -> its model's info."""
+        return {name: b.info for b in self.backends if b.info is not None for name in b.names()}
 
     async def healthy(self) -> bool:
         return any(await asyncio.gather(*(b.serving() for b in self.backends)))
 
-    async def readiness(self) -> tuple[dict[str, str], dict[str, dict[str, int]]]:
-        """Backend address -> its readiness detail; and address -> its KV pool's page counts, for the backends
-        that page their KV cache (and answered)."""
+    async def readiness(self) -> tuple[dict[str, str], dict[str, dict[str, int]], dict[str, str]]:
+        """Backend address -> its readiness detail; address -> its KV pool's page counts, for the backends that
+        page their KV cache (and answered); address -> the version of its weights (those that answered)."""
         reports = await asyncio.gather(*(b.readiness() for b in self.backends))
-        details = {b.address: detail for b, (detail, _) in zip(self.backends, reports, strict=True)}
-        pages = {b.address: p for b, (_, p) in zip(self.backends, reports, strict=True) if p is not None}
-        return details, pages
+        details = {b.address: detail for b, (detail, _, _) in zip(self.backends, reports, strict=True)}
+        pages = {b.address: p for b, (_, p, _) in zip(self.backends, reports, strict=True) if p is not None}
+        versions = {
+            b.address: v for b, (_, _, v) in zip(self.backends, reports, strict=True) if v is not None
+        }
+        return details, pages, versions
 
     async def resolve(self, model: str) -> list[Backend]:
         """Backends serving `model`, rotated round-robin (the first is this request's choice)."""
-        if not any(b.info and b.info.model_id == model for b in self.backends):
+        if not any(model in b.names() for b in self.backends):
             await self.refresh(missing_only=True)
-        found = [b for b in self.backends if b.info is not None and b.info.model_id == model]
+        found = [b for b in self.backends if model in b.names()]
         if not found:
             if not self.models():
                 raise APIError(503, "No backend is available.", "server_error", None, "service_unavailable")
@@ -190,6 +201,24 @@ class BackendPool:
             return GenerateStream(call, first)
         assert last is not None
         raise from_grpc(last)
+
+    async def update_weights(
+        self, request: pb.UpdateWeightsRequest, admin_key: str, model: str | None = None
+    ) -> list[tuple[str, pb.UpdateWeightsResponse | APIError]]:
+        """UpdateWeights on every backend (of `model`, when given), all at once -> (address, its answer or the
+        error of the call) per backend; then their model info is read again (the new versions)."""
+        targets = await self.resolve(model) if model is not None else list(self.backends)
+        metadata = (("authorization", f"Bearer {admin_key}"),)
+
+        async def one(b: Backend) -> pb.UpdateWeightsResponse | APIError:
+            try:
+                return await b.stub.UpdateWeights(request, metadata=metadata)
+            except grpc.aio.AioRpcError as e:
+                return from_grpc(e)
+
+        answers = await asyncio.gather(*(one(b) for b in targets))
+        await self.refresh()
+        return [(b.address, a) for b, a in zip(targets, answers, strict=True)]
 
     async def detokenize(self, model: str, ids: list[int]) -> str:
         backend = (await self.resolve(model))[0]

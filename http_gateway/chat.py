@@ -232,6 +232,8 @@ async def _complete(stream: GenerateStream, req: ChatCompletionRequest, request_
         choices=choices,
         usage=Usage.of(gen.prompt_tokens_count, completion_tokens, gen.cached_prompt_tokens_count),
     )
+    if stream.first.weight_version:
+        completion.system_fingerprint = stream.first.weight_version
     if req.prompt_logprobs is not None:
         completion.prompt_logprobs = prompt_logprobs(gen.prompt_tokens, req.prompt_logprobs)
     if req.return_token_ids:
@@ -242,10 +244,11 @@ async def _complete(stream: GenerateStream, req: ChatCompletionRequest, request_
 class _ChunkMaker:
     """The chunks of one streamed request: shared id, created, model; usage null until the last chunk."""
 
-    def __init__(self, req: ChatCompletionRequest, request_id: str) -> None:
+    def __init__(self, req: ChatCompletionRequest, request_id: str, fingerprint: str) -> None:
         self.req = req
         self.request_id = request_id
         self.created = int(time.time())
+        self.fingerprint = fingerprint  # the weights' version: one per request (a swap waits for it to end)
 
     def chunk(self, choices: list[ChatChunkChoice], prompt_token_ids: list[int] | None = None) -> str:
         c = ChatCompletionChunk(
@@ -255,6 +258,8 @@ class _ChunkMaker:
             model=self.req.model,
             choices=choices,
         )
+        if self.fingerprint:
+            c.system_fingerprint = self.fingerprint
         if self.req.include_usage():
             c.usage = None  # present (null) on every chunk but the last, as OpenAI sends it
         if prompt_token_ids is not None:
@@ -306,7 +311,7 @@ class _ChunkMaker:
 
 
 async def _chunks(stream: GenerateStream, req: ChatCompletionRequest, request_id: str) -> AsyncIterator[str]:
-    make = _ChunkMaker(req, request_id)
+    make = _ChunkMaker(req, request_id, stream.first.weight_version)
     names = [f.name for f in req.functions()] if req.offers_tools() else []
     lazy_role = bool(
         req.return_token_ids
@@ -349,11 +354,14 @@ async def _chunks(stream: GenerateStream, req: ChatCompletionRequest, request_id
             assert reason is not None
             yield make.finish(msg.index, reason)
     if req.include_usage():
-        yield ChatCompletionChunk(
+        last = ChatCompletionChunk(
             id=request_id,
             object="chat.completion.chunk",
             created=make.created,
             model=req.model,
             choices=[],
             usage=Usage.of(prompt_tokens, completion_tokens, cached_tokens),
-        ).dump()
+        )
+        if make.fingerprint:
+            last.system_fingerprint = make.fingerprint
+        yield last.dump()

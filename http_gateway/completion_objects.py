@@ -96,6 +96,8 @@ class ChatCompletion(OpenAIObject):
     object: Literal["chat.completion"]
     created: int
     model: str
+    # the weights' version (UpdateWeights' weight_version): changes when the served weights do
+    system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
     # vLLM's extensions, set only when asked: keys are token ids (JSON object keys are strings)
@@ -136,6 +138,8 @@ class ChatCompletionChunk(OpenAIObject):
     object: Literal["chat.completion.chunk"]
     created: int
     model: str
+    # the weights' version (UpdateWeights' weight_version): changes when the served weights do
+    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids: on each choice's first chunk
@@ -163,6 +167,8 @@ class Completion(OpenAIObject):
     object: Literal["text_completion"]
     created: int
     model: str
+    # the weights' version (UpdateWeights' weight_version): changes when the served weights do
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage | None = None
 

@@ -167,7 +167,9 @@ async def _complete(jobs: list[PromptJob], req: CompletionRequest, request_id: s
                 choice.prompt_token_ids = job.stream.ids
                 choice.token_ids = [t.token_id for t in s.tokens]
             choices.append(choice)
-    return Completion(
+    # the weights' version (prompts of a list may meet different backends: the first one's)
+    fingerprint = next((s.final.weight_version for g in gens for s in g.samples.values() if s.final), "")
+    out = Completion(
         id=request_id,
         object="text_completion",
         created=int(time.time()),
@@ -175,6 +177,9 @@ async def _complete(jobs: list[PromptJob], req: CompletionRequest, request_id: s
         choices=choices,
         usage=Usage.of(prompt_tokens, completion_tokens, cached_tokens),
     )
+    if fingerprint:
+        out.system_fingerprint = fingerprint
+    return out
 
 
 async def _merged(jobs: list[PromptJob]) -> AsyncIterator[tuple[PromptJob, pb.GenerateResponse]]:
@@ -225,13 +230,19 @@ async def _chunks(jobs: list[PromptJob], req: CompletionRequest, request_id: str
     cached_counts: dict[int, int] = {}  # prompt index -> of those, the prefix cache's
     completion_tokens = 0
 
+    fingerprint = ""  # the weights' version, from the backend's messages
+
     def chunk(choice: CompletionChoice) -> str:
         # No "usage": null here: the spec's completion object (shared by chunks) has a non-null usage.
-        return Completion(
+        c = Completion(
             id=request_id, object="text_completion", created=created, model=req.model, choices=[choice]
-        ).dump()
+        )
+        if fingerprint:
+            c.system_fingerprint = fingerprint
+        return c.dump()
 
     async for job, msg in _merged(jobs):
+        fingerprint = msg.weight_version or fingerprint
         if msg.prompt_tokens:
             prompt_tokens[job.index] = list(msg.prompt_tokens)
         index = job.index * n + msg.index
@@ -267,11 +278,14 @@ async def _chunks(jobs: list[PromptJob], req: CompletionRequest, request_id: str
             choice.token_ids = [t.token_id for t in msg.tokens]
         yield chunk(choice)
     if include_usage:
-        yield Completion(
+        last = Completion(
             id=request_id,
             object="text_completion",
             created=created,
             model=req.model,
             choices=[],
             usage=Usage.of(sum(prompt_counts.values()), completion_tokens, sum(cached_counts.values())),
-        ).dump()
+        )
+        if fingerprint:
+            last.system_fingerprint = fingerprint
+        yield last.dump()

@@ -73,6 +73,10 @@ _GRPC_STATUS: dict[grpc.StatusCode, tuple[int, str, str]] = {
     grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
     grpc.StatusCode.CANCELLED: (499, "server_error", "cancelled"),
+    # a weight update with abort_in_flight ended the request: retrying it is right (the SDKs retry a 503)
+    grpc.StatusCode.ABORTED: (503, "server_error", "aborted"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "invalid_request_error", "permission_denied"),
+    grpc.StatusCode.UNIMPLEMENTED: (501, "server_error", "not_implemented"),
 }
 
 

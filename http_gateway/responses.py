@@ -119,7 +119,7 @@ async def create(pool: BackendPool, req: CreateResponseRequest) -> Response | As
         stream = await pool.generate(req.model, msg)
     except APIError as e:
         raise structured.name_guided_error(e, _guided_param(req)) from None
-    answer = Answer(req, response_id)
+    answer = Answer(req, response_id, stream.first.weight_version)
     if req.stream:
         return stream_events(stream, answer)
     gen = await collect(stream, 1)

@@ -57,9 +57,10 @@ class Answer:
     the end) the tool calls parsed from it. Output items: the assistant message (unless the answer is only tool
     calls), then one `function_call` per call."""
 
-    def __init__(self, req: CreateResponseRequest, response_id: str) -> None:
+    def __init__(self, req: CreateResponseRequest, response_id: str, fingerprint: str = "") -> None:
         self.req = req
         self.id = response_id
+        self.fingerprint = fingerprint or None  # the weights' version (chat's system_fingerprint)
         self.created_at = int(time.time())
         self.message_id = new_id("msg")
         self.logprobs = req.logprobs()
@@ -187,4 +188,5 @@ class Answer:
             usage=usage,
             user=req.user,
             metadata=dict(req.metadata or {}),
+            system_fingerprint=self.fingerprint,
         )

@@ -123,13 +123,16 @@ class Response(ResponsesObject):
     usage: ResponseUsage | None = None  # None (left out) until the response is finished
     user: str | None = None
     metadata: dict[str, str]
+    # the weights' version, as chat completions carry it (an extension: the spec's response has no such field)
+    system_fingerprint: str | None = None
 
     @model_serializer(mode="wrap")
     def _without_nulls_the_spec_refuses(self, handler):
-        """`usage` and `user` are left out when None: the spec's are an object and a string, not nullable.
-        (Unannotated on purpose: with a return annotation the JSON schema would be that type, not the model's.)"""
+        """`usage`, `user` and `system_fingerprint` are left out when None: the spec's are an object and strings,
+        not nullable. (Unannotated on purpose: with a return annotation the JSON schema would be that type, not
+        the model's.)"""
         data = handler(self)
-        for key in ("usage", "user"):
+        for key in ("usage", "user", "system_fingerprint"):
             if key in data and data[key] is None:
                 del data[key]
         return data

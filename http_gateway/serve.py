@@ -42,6 +42,7 @@ def run(settings: GatewaySettings) -> None:
     app = create_app(
         list(settings.backend),
         api_key=settings.api_key,
+        admin_key=settings.admin_key,
         limits=settings.limits(),
         log_prompts=settings.log_prompts,
         cors_allow_origins=list(settings.cors_allow_origins),

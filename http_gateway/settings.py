@@ -20,6 +20,7 @@ from tpuserve.http_gateway.backends import BackendTLS
 from tpuserve.http_gateway.observability import Limits
 
 API_KEY_ENV = "TPUSERVE_API_KEY"
+ADMIN_KEY_ENV = "TPUSERVE_ADMIN_KEY"  # the backend reads the same variable (grpc_service/settings.py)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class GatewaySettings:
     host: str = "0.0.0.0"
     port: int = 8000
     api_key: str | None = field(default=None, repr=False)
+    # POST /v1/admin/update_weights' bearer key, handed on to the backends (unset: no such route)
+    admin_key: str | None = field(default=None, repr=False)
     log_level: str = "info"
     log_format: str = "json"
     log_prompts: bool = False
@@ -80,8 +83,10 @@ class GatewaySettings:
 
 
 def defaults() -> GatewaySettings:
-    """The defaults, with the API key from $TPUSERVE_API_KEY when it is set."""
-    return GatewaySettings(api_key=os.environ.get(API_KEY_ENV) or None)
+    """The defaults, with the API and admin keys from $TPUSERVE_API_KEY and $TPUSERVE_ADMIN_KEY when set."""
+    return GatewaySettings(
+        api_key=os.environ.get(API_KEY_ENV) or None, admin_key=os.environ.get(ADMIN_KEY_ENV) or None
+    )
 
 
 def parser(prog: str = "python -m tpuserve.http_gateway.serve") -> argparse.ArgumentParser:
@@ -100,6 +105,12 @@ def parser(prog: str = "python -m tpuserve.http_gateway.serve") -> argparse.Argu
         "--api-key",
         default=None,
         help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--admin-key",
+        default=None,
+        help=f"serve POST /v1/admin/update_weights under 'Authorization: Bearer KEY' (default: ${ADMIN_KEY_ENV}; "
+        "unset: off)",
     )
     p.add_argument("--log-level", default=None)
     p.add_argument(

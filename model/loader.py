@@ -130,7 +130,7 @@ def load_model(
 ) -> LoadedModel:
     """Load weights (cast to `dtype`, or quantized per `quantization`; with a mesh, each placed by the sharding
     rules as it is read, and an Orbax checkpoint restored straight into that layout), config and tokenizer."""
-    from tpuserve.model.sharding import field_sharding, param_shardings
+    from tpuserve.model.sharding import param_shardings
 
     start = time.perf_counter()
     path = resolve_path(path)
@@ -146,19 +146,7 @@ def load_model(
     shardings: dict[str, jax.sharding.Sharding] | None = None
 
     def cast(name: str, arr: Any) -> Any:
-        if mode in INT8_MODES and name in INT8_PARAMS and not is_quantized(arr):
-            arr = quantize_int8(arr, kind=mode)
-        if is_quantized(
-            arr
-        ):  # fields keep their integer / fp32 types; dequantized to `dtype` in the programs
-            arr = dataclasses.replace(arr, dtype=jdtype)
-            if shardings:
-                return map_fields(
-                    arr, lambda a: jax.device_put(a, field_sharding(shardings[name], name, a.shape))
-                )
-            return map_fields(arr, jnp.asarray)
-        out = jnp.asarray(arr, dtype=jdtype)
-        return jax.device_put(out, shardings[name]) if shardings else out
+        return cast_param(name, arr, mode, jdtype, shardings)
 
     if path.is_file() and path.suffix == ".gguf":
         from tpuserve.model import gguf_file
@@ -202,6 +190,83 @@ def load_model(
 
         tokenizer = load_tokenizer(path)
     return LoadedModel(cfg, params, tokenizer, model_id, str(path), time.perf_counter() - start, mode)
+
+
+def cast_param(
+    name: str, arr: Any, mode: str, dtype: jnp.dtype, shardings: dict[str, jax.sharding.Sharding] | None
+) -> Any:
+    """One canonical parameter as `mode` serves it: int8 matrices quantized, the rest cast to `dtype`; placed by
+    `shardings` (name -> sharding) when given."""
+    from tpuserve.model.sharding import field_sharding
+
+    if mode in INT8_MODES and name in INT8_PARAMS and not is_quantized(arr):
+        arr = quantize_int8(arr, kind=mode)
+    if is_quantized(arr):  # fields keep their integer / fp32 types; dequantized to `dtype` in the programs
+        arr = dataclasses.replace(arr, dtype=dtype)
+        if shardings:
+            return map_fields(
+                arr, lambda a: jax.device_put(a, field_sharding(shardings[name], name, a.shape))
+            )
+        return map_fields(arr, jnp.asarray)
+    out = jnp.asarray(arr, dtype=dtype)
+    return jax.device_put(out, shardings[name]) if shardings else out
+
+
+def from_arrays(
+    cfg: ModelConfig,
+    params: dict[str, Any],
+    dtype: str = "float32",
+    mesh: jax.sharding.Mesh | None = None,
+    quantization: str = "none",
+    model_id: str = "arrays",
+) -> LoadedModel:
+    """A model from arrays in memory (a trainer's parameters: canonical names and shapes, `llama.param_shapes`,
+    any placement), as `load_model` would serve them from a file: cast or quantized per `quantization` ("keep"
+    needs a GGUF file's blocks, so it is refused) and placed on `mesh` by the sharding rules. No tokenizer."""
+    from tpuserve.model.llama import param_shapes
+    from tpuserve.model.sharding import param_shardings
+
+    start = time.perf_counter()
+    if quantization not in QUANTIZATION_MODES or quantization == "keep":
+        raise ModelLoadError(
+            f"weights from arrays cannot be served as quantization {quantization!r}; "
+            f"choose one of {', '.join(m for m in QUANTIZATION_MODES if m != 'keep')}"
+        )
+    expected = param_shapes(cfg)
+    for name, shape in expected.items():
+        if name not in params:
+            raise ModelLoadError(f"{model_id}: missing parameter {name} (shape {shape})")
+        if tuple(params[name].shape) != shape:
+            raise ModelLoadError(
+                f"{model_id}: parameter {name} has shape {tuple(params[name].shape)}, expected {shape}"
+            )
+    extra = sorted(set(params) - set(expected))
+    if extra:
+        raise ModelLoadError(f"{model_id}: parameters not used by the {cfg.architecture} config: {extra}")
+    shardings = param_shardings(cfg, mesh) if mesh is not None else None
+    jdtype = jnp.dtype(dtype)
+    out = {}
+    for name, arr in params.items():
+        if quantization in INT8_MODES and name in INT8_PARAMS and not is_quantized(arr):
+            arr = np.asarray(arr)  # quantized on the host, as from a file (see load_model)
+        out[name] = cast_param(name, arr, quantization, jdtype, shardings)
+    return LoadedModel(cfg, out, None, model_id, model_id, time.perf_counter() - start, quantization)
+
+
+# Config fields that do not change what the programs compute (token ids the service reads, the trained context)
+_NOT_COMPUTED = ("bos_token_id", "eos_token_ids", "max_position_embeddings")
+
+
+def weights_mismatch(serving: ModelConfig, new: ModelConfig) -> str | None:
+    """Why weights of config `new` cannot replace weights of `serving` in the same programs (the first differing
+    field that changes the computation), or None."""
+    for field in dataclasses.fields(ModelConfig):
+        if field.name in _NOT_COMPUTED:
+            continue
+        a, b = getattr(serving, field.name), getattr(new, field.name)
+        if a != b:
+            return f"config {field.name} is {b!r}, the served model's is {a!r}"
+    return None
 
 
 def convert(

@@ -257,6 +257,27 @@ class Engine(abc.ABC):
         be ignored."""
         return Pending.ready(self.decode())
 
+    # -- weights (docs/weight-updates.md) ---------------------------------------------------------------------
+    weight_version: str = "default"  # the version of the weights being served; swap_weights sets it
+
+    def load_weights(self, path: str) -> Any:
+        """New weights from a file or directory, loaded as start-up loaded the served ones (dtype, quantization,
+        placement) beside them and checked against them: -> an opaque set for `swap_weights`. Runs on any thread
+        (it reads nothing the engine thread changes). A source that cannot replace the served weights raises
+        ValueError (tpuserve.model.config.ModelLoadError) naming the first mismatch."""
+        raise NotImplementedError(f"{type(self).__name__} cannot update its weights")
+
+    def weights_from_arrays(self, params: dict[str, Any]) -> Any:
+        """As `load_weights`, from a trainer's arrays in the canonical layout (`tpuserve.model.llama.param_shapes`
+        names and shapes, any placement): placed on the engine's devices as the served weights are."""
+        raise NotImplementedError(f"{type(self).__name__} cannot update its weights")
+
+    def swap_weights(self, weights: Any, version: str) -> None:
+        """Serve `weights` (from load_weights / weights_from_arrays) from the next call on, as `version`. On the
+        engine thread, with no sequence in the engine (the service drains or aborts them first): the prefix
+        cache's pages are forgotten (they hold the old weights' keys and values)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot update its weights")
+
     def set_fault_handler(self, on_fault: Callable[[str], None]) -> None:
         """`on_fault(message)` runs (on any thread) when the engine can run no more calls: a process of its group
         failed. An engine of one process never calls it."""

@@ -31,8 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
+from tpuserve.model.config import ModelLoadError
 from tpuserve.model.llama import cache_bytes, init_pages, pool_pages
-from tpuserve.model.loader import LoadedModel
+from tpuserve.model.loader import LoadedModel, from_arrays, load_model, weights_mismatch
 from tpuserve.model.quant import tree_nbytes
 from tpuserve.model.sharding import cache_sharding
 from tpuserve.sampler import warmup
@@ -606,6 +607,49 @@ class JaxEngine(Engine):
         self.pages.let_go(self._slot_pages[slot])
         self._set_pages(slot, [])
         self.constrain(slot, None)
+
+    # -- weights ------------------------------------------------------------------------------------------------
+    def load_weights(self, path: str) -> Any:
+        loaded = load_model(path, dtype=self.settings.dtype, mesh=self.mesh, with_tokenizer=False,
+                            quantization=self.quantization)  # fmt: skip
+        return self._served_form(loaded, str(path))
+
+    def weights_from_arrays(self, params: dict[str, Any]) -> Any:
+        # the trainer's arrays leave its devices for the host only where quantization needs it (from_arrays)
+        loaded = from_arrays(self.config, params, dtype=self.settings.dtype, mesh=self.mesh,
+                             quantization=self.quantization)  # fmt: skip
+        return self._served_form(loaded, "the arrays")
+
+    def _served_form(self, loaded: LoadedModel, source: str) -> Any:
+        """The module parameters of `loaded` as the programs take the served ones, or ModelLoadError naming the
+        first thing that differs (then the programs would compute another model, or compile again)."""
+        _, params = nnx.split(loaded.module(scan_layers=self.scan_layers, mesh=self.mesh))
+        old_leaves = jax.tree_util.tree_flatten_with_path(self.params)[0]
+        new_leaves, new_def = jax.tree_util.tree_flatten_with_path(params)
+        if new_def != jax.tree.structure(self.params):
+            old_names = {jax.tree_util.keystr(k) for k, _ in old_leaves}
+            new_names = {jax.tree_util.keystr(k) for k, _ in new_leaves}
+            diff = sorted(old_names ^ new_names) or sorted(new_names)
+            raise ModelLoadError(f"{source}: its parameters are not the served ones' (first: {diff[0]})")
+        placed = []
+        for (key, old), (_, new) in zip(old_leaves, new_leaves, strict=True):
+            if (old.shape, old.dtype) != (new.shape, new.dtype):
+                raise ModelLoadError(f"{source}: parameter {jax.tree_util.keystr(key)} is {new.dtype}"
+                                     f"{list(new.shape)}, the served one {old.dtype}{list(old.shape)}")  # fmt: skip
+            # the served arrays' own placement: the programs then take the new ones without compiling again
+            placed.append(new if new.sharding == old.sharding else jax.device_put(new, old.sharding))
+        # fields no array shows (RoPE base, norms' epsilon, ...)
+        why = weights_mismatch(self.config, loaded.config)
+        if why is not None:
+            raise ModelLoadError(f"{source}: {why}")
+        return jax.tree.unflatten(new_def, placed)
+
+    def swap_weights(self, weights: Any, version: str) -> None:
+        if self._occupied.any():
+            raise RuntimeError("swap_weights with sequences in the engine's slots")
+        self.params = weights
+        self.weight_version = version
+        self.pages.forget_cache(reset_counts=False)  # their keys and values are the old weights'
 
     # -- start-up -----------------------------------------------------------------------------------------------
     def chunk_plan(self, n: int, first: int = 0) -> list[tuple[int, int, int, int]]:

@@ -52,6 +52,8 @@ REPLICATED: dict[str, str] = {
     "release": "release",
     "warm_up": "ready",  # each process runs its own warm-up, then this one exchange
     "stop_group": "stop",
+    "load_weights": "load_weights",  # each process loads its own shards of the new weights
+    "swap_weights": "swap_weights",
 }
 COMPOSED: dict[str, tuple[str, ...]] = {
     "prefill": ("prefill_steps",),
@@ -63,6 +65,8 @@ LEADER_ONLY = frozenset({
     "prompt_logprobs", "cached_tokens", "prefix_cache_stats", "next_call_steps", "prefill_cost", "mask_words",
     "page_stats", "admits", "max_prompt_len",
     "set_fault_handler",
+    # a trainer's arrays are in the leader's process only: LeaderEngine refuses them (update from a path)
+    "weights_from_arrays",
     # JaxEngine's own, which the service never calls (tests, bench, warm-up): shapes and host bookkeeping
     "buckets", "chunk_plan", "together_shapes", "occupied_slots",
 })  # fmt: skip
@@ -226,6 +230,33 @@ class LeaderEngine(Engine):
     def release(self, slot: int) -> None:
         self._call(REPLICATED["release"], (slot,), lambda: self.inner.release(slot))
 
+    # ---- weights ----
+    @property
+    def weight_version(self) -> str:
+        return self.inner.weight_version
+
+    def load_weights(self, path: str) -> Any:
+        """Every process loads `path` (the same file system path on each host): the followers in their command
+        loop, so the group's calls wait for their load (the leader's serving stops meanwhile), the leader here,
+        on the caller's thread, outside the channel's lock."""
+        with self.channel.lock:
+            self._next_handle += 1
+            handle = self._next_handle
+            self._send(REPLICATED["load_weights"], handle, str(path))
+        return handle, self.inner.load_weights(path)
+
+    def weights_from_arrays(self, params: dict[str, Any]) -> Any:
+        raise NotImplementedError(
+            "a multi-process group takes new weights from a path every process reads (load_weights), not from "
+            "arrays in the leader's process"
+        )
+
+    def swap_weights(self, weights: Any, version: str) -> None:
+        handle, inner = weights
+        self._call(
+            REPLICATED["swap_weights"], (handle, version), lambda: self.inner.swap_weights(inner, version)
+        )
+
 
 class _Stop(Exception):
     """The leader stopped the group."""
@@ -239,6 +270,7 @@ class _Follower:
         self.prefixes: dict[int, Any] = {}
         self.steps: dict[int, Iterator[Any]] = {}
         self.last: Pending | None = None  # the previous decode call, read before the next is queued
+        self.loaded: tuple[int, Any] | None = None  # the last weights loaded (handle, weights), until swapped
         self.handlers: dict[str, Callable[..., None]] = {
             "prefill": self.prefill,
             "next": self.next,
@@ -250,6 +282,8 @@ class _Follower:
             "ready": lambda: channel.start_watching(),
             "stop": self.stop,
             "noop": lambda: None,
+            "load_weights": self.load_weights,
+            "swap_weights": self.swap_weights,
         }
         assert set(self.handlers) == COMMANDS
 
@@ -278,6 +312,19 @@ class _Follower:
         if self.last is not None:
             self.last.result()
         self.last = self.engine.start_decode(max_steps)
+
+    def load_weights(self, handle: int, path: str) -> None:
+        self.loaded = None  # one set beside the served one at most (the leader swaps in its last load)
+        self.loaded = (handle, self.engine.load_weights(path))
+
+    def swap_weights(self, handle: int, version: str) -> None:
+        if self.loaded is None or self.loaded[0] != handle:
+            raise RuntimeError(f"weights {handle} were not loaded here")
+        if self.last is not None:  # the decode calls before the swap ran on the old weights
+            self.last.result()
+            self.last = None
+        self.engine.swap_weights(self.loaded[1], version)
+        self.loaded = None
 
     def stop(self) -> None:
         raise _Stop

@@ -161,15 +161,17 @@ class Pages:
             return
         self._cached[key] = self._by_id[page] = CachedPage(page, key, logprobs)
 
-    def forget_cache(self) -> None:
-        """Drop every name (warm-up's): held pages stay held, unheld cached ones become free; counts restart."""
+    def forget_cache(self, reset_counts: bool = True) -> None:
+        """Drop every name (warm-up's, or the old weights' at a weight swap): held pages stay held, unheld cached
+        ones become free; counts restart unless `reset_counts` is False."""
         for page in self._idle:
             self._free.append(page)
         self._idle.clear()
         self._cached.clear()
         self._by_id.clear()
         self._free.sort(reverse=True)
-        self.lookup_tokens = self.hit_tokens = self.evictions = self.preemptions = 0
+        if reset_counts:
+            self.lookup_tokens = self.hit_tokens = self.evictions = self.preemptions = 0
 
     # ---- reading --------------------------------------------------------------------------------------------
     def stats(self) -> PageStats:

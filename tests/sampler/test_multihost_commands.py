@@ -97,6 +97,13 @@ class _Recording(Engine):
     def release(self, slot):
         self.log.append(("release", slot))
 
+    def load_weights(self, path):
+        self.log.append(("load_weights", path))
+        return f"weights of {path}"
+
+    def swap_weights(self, weights, version):
+        self.log.append(("swap_weights", weights, version))
+
 
 class _Channel:
     """process_group.Channel's interface, in one process: what the leader sends, replayed to a follower."""
@@ -122,6 +129,7 @@ class _Channel:
         self.fault = message
 
 
+LOADED: list = []
 # each replicated method, called through the leader; a method added to REPLICATED needs its call here
 CALLS = {
     "prefill_steps": lambda e, prefix: list(e.prefill_steps([1, 2, 3, 4, 5, 6], True, "salt")),
@@ -129,6 +137,8 @@ CALLS = {
     "constrain": lambda e, prefix: e.constrain(1, np.array([5, 6], np.int32)),
     "start_decode": lambda e, prefix: e.start_decode(3).result(),  # a shortened call: max_steps is replayed
     "release": lambda e, prefix: e.release(1),
+    "load_weights": lambda e, prefix: LOADED.append(e.load_weights("/ckpt/step-2")),
+    "swap_weights": lambda e, prefix: e.swap_weights(LOADED.pop(), "step-2"),  # what load_weights loaded
     "warm_up": lambda e, prefix: e.warm_up(compile=False),
     "stop_group": lambda e, prefix: e.stop_group(),
 }
