@@ -16,6 +16,7 @@ measured says "not run" or "error", never PASS. Row groups (`--only`, comma-sepa
   mixed, shared_system   a mixed load of short and ~3,000-token prompts; a shared system prompt: bench/mixed.py
   prefix     the prefix cache on vs off (two servers of their own): see bench/prefix.py
   quant      the GGUF's quantized blocks kept vs dequantized at load (two servers of their own): bench/quant.py
+  weights    a weight update (POST /v1/admin/update_weights, idle) vs a restart to /health: bench/weights.py
   multihost  one model over 2 processes x 2 CPU devices vs 1 process x 4 (servers of their own, one loaded at a
              time; slow: several minutes): bench/multihost.py
   compiles   tpuserve_backend_xla_compiles_total (the backend's /metrics, GRPC_PORT + 1) before the first
@@ -49,7 +50,7 @@ from bench.hf import TORCH_THREADS
 from bench.table import FAILED, Row, Target, count_row, judged, markdown, not_run, write_json
 
 ALL = ["single", "ttft", "many", "logprobs", "ttft_load", "ttft_streams", "mixed", "shared_system"]
-ALL += ["compiles", "startup", "prefix", "quant", "multihost", "engine"]
+ALL += ["compiles", "startup", "prefix", "quant", "weights", "multihost", "engine"]
 LLAMA_GROUPS = {"single", "ttft", "many", "ttft_load", "ttft_streams", "mixed", "shared_system"}
 # the groups measured on the run's servers (measure_http)
 GROUPS = {**rows.GROUPS, **ttft_streams.GROUPS, **mixed.GROUPS}
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     raw: dict = {}
     start = time.perf_counter()
     out: list[Row] = []
-    if set(groups) - {"engine", "startup", "prefix", "quant", "multihost"}:
+    if set(groups) - {"engine", "startup", "prefix", "quant", "weights", "multihost"}:
         out += measure_http(args, plan, groups, gguf, workdir, meta, raw)
     if "startup" in groups:
         out.append(startup_row(args, workdir, raw))
@@ -277,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         out += _guarded(
             "quant", lambda: quant_rows(args.config, workdir, plan.reps, args.quick, raw, external=external)
         )
+    if "weights" in groups:
+        from bench.weights import weight_rows
+
+        out += _guarded("weights", lambda: weight_rows(args.config, workdir, plan.reps, raw, external=external))
     if "multihost" in groups:
         from bench.multihost import multihost_rows
 

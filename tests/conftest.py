@@ -51,6 +51,7 @@ SLOW_MODULES = {
     "tests/model/test_serving_without_torch.py",  # a venv-like subprocess with torch hidden
     "tests/bench/test_device_smoke.py",
     "tests/cli/test_serve_command.py",  # `tpuserve serve` processes
+    "tests/test_examples.py",  # each example in a process of its own
 }
 
 

@@ -143,6 +143,28 @@ def test_serve_plan_rejects_bad_settings_of_either_process_before_starting_anyth
         assert message in capsys.readouterr().err
 
 
+def test_serve_hands_names_version_and_admin_key_on(tmp_path, monkeypatch):
+    """--served-model-name and --weight-version go to the backend's command line, the admin key to the gateway's
+    settings and (by the environment, never a command line) to the backend; the config's server section may name
+    the model too."""
+    from tpuserve.cli.backend import parse_args
+    from tpuserve.cli.serve import plan
+
+    monkeypatch.delenv("TPUSERVE_ADMIN_KEY", raising=False)
+    backend, gateway = plan(["--served-model-name", "policy", "policy-latest", "--weight-version", "step-0",
+                             "--admin-key", "secret"])  # fmt: skip
+    assert "secret" not in backend and gateway.admin_key == "secret"
+    server, _ = parse_args(backend[backend.index("grpc") + 1 :])
+    assert server.served_model_name == ("policy", "policy-latest") and server.weight_version == "step-0"
+    config = write_yaml(tmp_path, {"server": {"served_model_name": ["from-file"]}})
+    server, _ = parse_args(["--config", config])
+    assert server.served_model_name == ("from-file",) and server.admin_key is None
+    monkeypatch.setenv("TPUSERVE_ADMIN_KEY", "from-env")
+    assert plan([])[1].admin_key == "from-env"
+    with pytest.raises(SystemExit):
+        parse_args(["--weight-version", ""])
+
+
 def test_serve_hands_quantization_to_the_backend():
     from tpuserve.cli.backend import parse_args
     from tpuserve.cli.serve import plan
