@@ -28,9 +28,16 @@ _LAYER_MAP = {
     "attn_output.weight": "wo",
     "attn_output.bias": "bo",
     "ffn_norm.weight": "mlp_norm",
+    "post_attention_norm.weight": "attn_post_norm",  # gemma3: the attention output's norm
+    "post_ffw_norm.weight": "mlp_post_norm",  # gemma3: the MLP output's norm
     "ffn_gate.weight": "w_gate",
     "ffn_up.weight": "w_up",
     "ffn_down.weight": "w_down",
+    # qwen3moe: the router [E, H] and each layer's experts stacked ([E, Ie, H], [E, H, Ie] as numpy reads them)
+    "ffn_gate_inp.weight": "w_router",
+    "ffn_gate_exps.weight": "we_gate",
+    "ffn_up_exps.weight": "we_up",
+    "ffn_down_exps.weight": "we_down",
 }
 _TOP_MAP = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 _SKIPPED = {"rope_freqs.weight"}  # llama3 frequencies: recomputed from the metadata
@@ -112,12 +119,12 @@ def tensor_quantized(tensor: Any, path: pathlib.Path) -> QuantizedMatrix:
     """One Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrix as a QuantizedMatrix whose dequantized weights equal
     `tensor_array`'s bit for bit (tests/model/test_quant.py)."""
     qtype = GGMLQuantizationType(tensor.tensor_type)
-    rows, cols = (int(d) for d in reversed(tensor.shape))
+    *lead, rows, cols = (int(d) for d in reversed(tensor.shape))  # lead: a MoE layer's experts
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     blocks = np.asarray(tensor.data).reshape(-1, type_size)
-    if blocks.shape[0] * block_size != rows * cols:
+    if blocks.shape[0] * block_size != int(np.prod(lead, dtype=np.int64)) * rows * cols:
         raise ModelLoadError(f"{path}: tensor {tensor.name} holds {blocks.shape[0]} {qtype.name} blocks, "
-                             f"expected shape {(rows, cols)}")  # fmt: skip
+                             f"expected shape {(*lead, rows, cols)}")  # fmt: skip
     offset = None
     if qtype == _T.Q8_0:
         q, scale, group, bits = blocks[:, 2:].copy().view(np.int8), _f16(blocks, 0), 32, 8
@@ -141,12 +148,12 @@ def tensor_quantized(tensor: Any, path: pathlib.Path) -> QuantizedMatrix:
         scale, group, bits = _f16(blocks, 208) * sc, 16, 8
     else:
         raise ModelLoadError(f"{path}: tensor {tensor.name}: {qtype.name} blocks cannot be kept")
-    q = np.asarray(q).reshape(rows, cols)
+    q = np.asarray(q).reshape(*lead, rows, cols)
     q = pack4(q) if bits == 4 else q.astype(np.int8)
     per_row = cols // group
-    scale = scale.astype(np.float32).reshape(rows, per_row)
+    scale = scale.astype(np.float32).reshape(*lead, rows, per_row)
     if offset is not None:
-        offset = offset.astype(np.float32).reshape(rows, per_row)
+        offset = offset.astype(np.float32).reshape(*lead, rows, per_row)
     return QuantizedMatrix(q=q, scale=scale, offset=offset, bits=bits, group=group, kind=qtype.name)
 
 
@@ -157,7 +164,7 @@ def check_keep(reader: GGUFReader, path: pathlib.Path) -> None:
         qtype = GGMLQuantizationType(tensor.tensor_type)
         if qtype in _FLOAT_TYPES or tensor.name in _SKIPPED:
             continue
-        if qtype not in KEEP_TYPES or len(tensor.shape) != 2:
+        if qtype not in KEEP_TYPES or len(tensor.shape) not in (2, 3):  # 3: stacked experts [E, out, in]
             kept = ", ".join(t.name for t in KEEP_TYPES + _FLOAT_TYPES)
             raise ModelLoadError(
                 f"{path}: quantization 'keep' cannot serve tensor {tensor.name} of type {qtype.name} "
@@ -189,6 +196,10 @@ def _add_tensor(stacker: LayerStacker, tensor: Any, cfg: ModelConfig, path: path
     name = tensor.name
     quantized = keep and GGMLQuantizationType(tensor.tensor_type) in KEEP_TYPES
     arr = tensor_quantized(tensor, path) if quantized else tensor_array(tensor, path)
+    if cfg.norm_unit_offset and name.endswith("norm.weight"):
+        # llama.cpp's converter stores Gemma's norm weights as 1 + w (its RMSNorm scales by the weight), and the
+        # model applies (1 + w) as transformers does. In fp32, (1 + w) - 1 is exact for 1 + w in [0.5, 2].
+        arr = arr - np.float32(1.0)
     permute = cfg.architecture in ("llama", "mistral")  # llama.cpp permutes q/k only for these
     if name.startswith("blk."):
         _, idx, rest = name.split(".", 2)

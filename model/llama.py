@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) as a Flax NNX module.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 3) as a Flax NNX module.
 
 Canonical parameters (what the loaders produce and checkpoints store): the decoder blocks' weights stacked along
 a leading layer axis; matrices [out, in], as PyTorch, GGUF and safetensors store them (`linear(x, w)` = x @ w.T):
@@ -7,7 +7,10 @@ a leading layer axis; matrices [out, in], as PyTorch, GGUF and safetensors store
   stacked over layers L: attn_norm [L, H]; wq [L, Hq*D, H]; wk, wv [L, Hkv*D, H]; bq [L, Hq*D]; bk, bv [L, Hkv*D]
   (biases only with attention_bias); wo [L, H, Hq*D]; bo [L, H] (only with output_bias); q_norm, k_norm [L, D]
   (only with qk_norm: Qwen3's RMSNorm over each head's queries and keys, before RoPE); mlp_norm [L, H];
-  w_gate, w_up [L, I, H]; w_down [L, H, I]
+  attn_post_norm, mlp_post_norm [L, H] (only with sandwich_norms: Gemma's norms of the attention's and the MLP's
+  outputs; Gemma's norm weights are w of its (1 + w), as transformers stores them);
+  w_gate, w_up [L, I, H]; w_down [L, H, I]; or, with num_experts E (model/moe.py), instead of those three:
+  w_router [L, E, H]; we_gate, we_up [L, E, Ie, H]; we_down [L, E, H, Ie]
 
 Why [out, in]: XLA:CPU's dot kernel computes a row of `x @ w.T` with the same arithmetic whatever the number of
 rows (2 or more; measured, and tested in tests/sampler/test_batch_invariance.py), while `x @ w` with w: [in, out]
@@ -51,6 +54,7 @@ leads, so a mesh splits the pool over KV heads as before (CACHE_AXES).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -58,13 +62,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
-from tpuserve.model import quant
+from tpuserve.model import moe, quant
 from tpuserve.model.attention_tpu import paged_decode_attention
 from tpuserve.model.config import ModelConfig, rope_inv_freq
 from tpuserve.model.quant import linear, take_rows
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "q_norm", "k_norm", "wo", "bo", "mlp_norm",
-                "w_gate", "w_up", "w_down")  # fmt: skip
+                "attn_post_norm", "mlp_post_norm",
+                "w_gate", "w_up", "w_down", "w_router", "we_gate", "we_up", "we_down")  # fmt: skip
 
 # Logical axes of each parameter: sharding rules map these names to mesh axes (tpuserve.model.sharding).
 PARAM_AXES: dict[str, tuple[str | None, ...]] = {
@@ -83,9 +88,16 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "wo": ("layers", "embed", "heads"),
     "bo": ("layers", "embed"),
     "mlp_norm": ("layers", "embed"),
+    "attn_post_norm": ("layers", "embed"),
+    "mlp_post_norm": ("layers", "embed"),
     "w_gate": ("layers", "mlp", "embed"),
     "w_up": ("layers", "mlp", "embed"),
     "w_down": ("layers", "embed", "mlp"),
+    # mixture of experts (model/moe.py): router [L, E, H]; experts [L, E, I, H] / [L, E, H, I], split like a dense MLP
+    "w_router": ("layers", None, "embed"),
+    "we_gate": ("layers", "experts", "mlp", "embed"),
+    "we_up": ("layers", "experts", "mlp", "embed"),
+    "we_down": ("layers", "experts", "embed", "mlp"),
 }
 CACHE_AXES = ("kv_heads", "layers", None, None, None)  # [Hkv, L, P, page, D]: pages are not rows
 
@@ -99,8 +111,13 @@ BLOCK_AXES: dict[str, tuple[str | None, ...]] = {
     "wo": ("embed", "heads"),
     "bo": ("embed",),
     "mlp_norm": ("embed",),
+    "attn_post_norm": ("embed",),
+    "mlp_post_norm": ("embed",),
     "w_gate_up": (None, "mlp", "embed"),  # [2, I, H]
     "w_down": ("embed", "mlp"),
+    "w_router": (None, "embed"),  # [E, H]
+    "we_gate_up": ("experts", None, "mlp", "embed"),  # [E, 2, I, H]
+    "we_down": ("experts", "embed", "mlp"),  # [E, H, I]
 }
 TOP_PARAMS = ("embed", "final_norm", "lm_head")
 
@@ -125,8 +142,15 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["bo"] = (L, H)
     if cfg.qk_norm:
         shapes.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
+    if cfg.sandwich_norms:
+        shapes.update(attn_post_norm=(L, H), mlp_post_norm=(L, H))
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (V, H)
+    if cfg.num_experts:  # experts instead of the dense MLP
+        E, Ie = cfg.num_experts, cfg.moe_intermediate_size
+        for name in ("w_gate", "w_up", "w_down"):
+            del shapes[name]
+        shapes.update(w_router=(L, E, H), we_gate=(L, E, Ie, H), we_up=(L, E, Ie, H), we_down=(L, E, H, Ie))
     return shapes
 
 
@@ -142,15 +166,19 @@ def module_params(cfg: ModelConfig, params: dict[str, jax.Array], scan_layers: b
         qkv = [quant.reshape_out(p["wq"], *lead, Hkv, G * D), quant.reshape_out(p["wk"], *lead, Hkv, D),
                quant.reshape_out(p["wv"], *lead, Hkv, D)]  # fmt: skip
         out = {
-            "attn_norm": p["attn_norm"], "wo": p["wo"], "mlp_norm": p["mlp_norm"], "w_down": p["w_down"],
+            "attn_norm": p["attn_norm"], "wo": p["wo"], "mlp_norm": p["mlp_norm"],
             "wqkv": quant.concat_out(qkv),  # quantized matrices: field by field (tpuserve.model.quant)
-            "w_gate_up": quant.stack([p["w_gate"], p["w_up"]], axis=-3),
         }  # fmt: skip
+        if cfg.num_experts:  # [E, 2, Ie, H]: each expert's gate rows, then its up rows
+            out.update(w_router=p["w_router"], we_down=p["we_down"],
+                       we_gate_up=quant.stack([p["we_gate"], p["we_up"]], axis=-3))  # fmt: skip
+        else:
+            out.update(w_down=p["w_down"], w_gate_up=quant.stack([p["w_gate"], p["w_up"]], axis=-3))
         if cfg.attention_bias:
             parts = [p["bq"].reshape(*lead, Hkv, G * D), p["bk"].reshape(*lead, Hkv, D),
                      p["bv"].reshape(*lead, Hkv, D)]  # fmt: skip
             out["bqkv"] = jnp.concatenate(parts, axis=-1)
-        out.update({n: p[n] for n in ("q_norm", "k_norm", "bo") if n in p})
+        out.update({n: p[n] for n in ("q_norm", "k_norm", "bo", "attn_post_norm", "mlp_post_norm") if n in p})
         return out
 
     layer_names = [n for n in LAYER_PARAMS if n in params]
@@ -260,6 +288,13 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * x32.astype(x.dtype)
 
 
+def unit_offset_rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Gemma's RMSNorm (transformers' Gemma3RMSNorm): x normalized and scaled by (1 + w), all in fp32, then cast."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+
+
 def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotary embedding, half-split convention as in transformers. x: [B, T, heads, D]; positions: [B, T]."""
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
@@ -322,6 +357,9 @@ class Llama(nnx.Module):
             if len(layers) != cfg.num_layers:
                 raise ValueError(f"{len(layers)} layers, expected {cfg.num_layers}")
             self.layers = nnx.List([Block(p) for p in layers])
+        # the mesh the experts are split over (static): they run per device under shard_map (moe.moe_mlp)
+        self.expert_mesh = moe.mesh_of((layers if isinstance(layers, dict) else layers[0])["we_down"]) if (
+            cfg.num_experts) else None  # fmt: skip
         self.inv_freq = nnx.Variable(jnp.asarray(np.array(rope_inv_freq(cfg), np.float32)))
 
     @property
@@ -355,16 +393,29 @@ class Llama(nnx.Module):
         rotary embedding and softmax of fewer than 8 rows differently, its products do not).
         `decode_attention` (static): "pallas" runs a decode step's attention (T = 1) with jax's Pallas TPU kernel
         over the pool in place (`paged_kernel_attention`; in jax's TPU interpreter off TPU: slow, for tests);
-        "gather" (and every T > 1, and a model with a sliding window, which the kernel lacks) gathers pages. On
-        the kernel path a row whose `write` is off attends to nothing (its hidden state is not the gather path's:
-        decode discards such rows' outputs). `mesh` (static): the mesh the pool is placed on, for the kernel.
+        "gather" (and every T > 1, and a model with a sliding window or a query scale other than 1/sqrt(D), which
+        the kernel lacks) gathers pages. On the kernel path a row whose `write` is off attends to nothing (its
+        hidden state is not the gather path's: decode discards such rows' outputs). `mesh` (static): the mesh the
+        pool is placed on, for the kernel.
         """
         cfg = self.cfg
         B, T = tokens.shape
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         G = Hq // Hkv
         x = take_rows(self.embed.get_value(), tokens)
+        if cfg.scale_embeddings:  # Gemma: sqrt(H) as transformers holds it (an fp32 scalar), in x's dtype
+            x = x * jnp.asarray(np.float32(cfg.hidden_size**0.5), x.dtype)
         inv_freq = self.inv_freq[...]
+        norm = unit_offset_rms_norm if cfg.norm_unit_offset else rms_norm
+        gelu_tanh = partial(jax.nn.gelu, approximate=True)  # transformers' gelu_pytorch_tanh
+        activation = jax.nn.silu if cfg.hidden_activation == "silu" else gelu_tanh
+        # Gemma 3: a layer is local or global by its index, which is scanned data (a traced li under the scan), so
+        # the choice of window and RoPE base is a select, never a Python branch
+        local = local_inv_freq = None
+        if cfg.sliding_layers:
+            local = jnp.asarray(cfg.sliding_layers)
+            local_inv_freq = jnp.asarray(np.array(rope_inv_freq(cfg, local=True), np.float32))
+        scale = cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else 1.0 / np.sqrt(D)
         P, page = pool_pages(cache.k), cache.k.shape[3]
         table = cache.table
         slot = jnp.clip(positions // page, 0, table.shape[1] - 1)
@@ -376,12 +427,22 @@ class Llama(nnx.Module):
         offset = positions % page
         key_pos = jnp.arange(attend_len)
         mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, A]
-        if cfg.sliding_window:  # and no further back than the window (the cache still holds every position)
+        # and no further back than the window: every layer (Mistral) or local ones (Gemma 3). The pool still holds
+        # every position: no page is freed when it falls out of every window.
+        local_mask = None
+        if cfg.sliding_window and local is not None:
+            local_mask = mask & (key_pos[None, None, :] > positions[:, :, None] - cfg.sliding_window)
+        elif cfg.sliding_window:
             mask &= key_pos[None, None, :] > positions[:, :, None] - cfg.sliding_window
+
+        def layer_mask(li: Any) -> jax.Array:
+            return mask if local_mask is None else jnp.where(local[li], local_mask, mask)
+
         reduce_scores = decode_scores_by_reduce(T)
         # Prompt chunks (T > 1) keep the gather: jax's mixed prefill/decode kernel (ragged paged attention) does not
         # run in this jax's TPU interpreter, so it could not be tested here.
-        use_kernel = decode_attention == "pallas" and T == 1 and not cfg.sliding_window
+        use_kernel = (decode_attention == "pallas" and T == 1 and not cfg.sliding_window
+                      and cfg.query_pre_attn_scalar in (None, D))  # the kernel scales by 1/sqrt(D)  # fmt: skip
         if decode_attention not in ("gather", "pallas"):
             raise ValueError(f"decode_attention must be 'gather' or 'pallas', got {decode_attention!r}")
         lengths = jnp.clip(positions[:, 0] + 1, 0, attend_len)  # the kernel's keys: positions <= the query's
@@ -408,8 +469,8 @@ class Llama(nnx.Module):
                 # by the column count: only chunks of 64 or more agreed.
                 scores = jnp.einsum("bkgtd,bkad->bkgta", qg.transpose(0, 2, 3, 1, 4), keys.astype(q.dtype),
                                     preferred_element_type=jnp.float32, precision=quant.precision(q.dtype))  # fmt: skip
-            scores = scores * (1.0 / np.sqrt(D))
-            scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+            scores = scores * scale
+            scores = jnp.where(layer_mask(li)[:, None, None], scores, -jnp.inf)
             probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
             if reduce_scores:  # T = 1 left out of the product: [B, Hkv, G, A] x [B, Hkv, A, D]
                 attn = jnp.einsum("bkga,bkad->bkgd", probs[:, :, :, 0], vals.astype(q.dtype),
@@ -423,16 +484,17 @@ class Llama(nnx.Module):
             return attn.reshape(B, T, Hq * D)
 
         def block(x, k_cache, v_cache, li, p):
-            h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+            h = norm(x, p["attn_norm"], cfg.rms_norm_eps)
             qkv = product(h, p["wqkv"])  # [B, T, Hkv, (G+2)*D]
             if cfg.attention_bias:
                 qkv = qkv + p["bqkv"]
             qkv = qkv.reshape(B, T, Hkv, G + 2, D)
             q, k, v = qkv[:, :, :, :G].reshape(B, T, Hq, D), qkv[:, :, :, G], qkv[:, :, :, G + 1]
             if cfg.qk_norm:  # Qwen3: each head's queries and keys normalized over D, before RoPE
-                q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-                k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-            q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+                q = norm(q, p["q_norm"], cfg.rms_norm_eps)
+                k = norm(k, p["k_norm"], cfg.rms_norm_eps)
+            freq = inv_freq if local is None else jnp.where(local[li], local_inv_freq, inv_freq)
+            q, k = rope(q, positions, freq), rope(k, positions, freq)
             k_cache = write_tokens(k_cache, li, where, offset, k)  # [B, T, Hkv, D] at their pages and offsets
             v_cache = write_tokens(v_cache, li, where, offset, v)
             if use_kernel:  # q [B, Hkv, G, D] (query head h = kv head * G + g) -> [B, 1, Hq * D]
@@ -441,10 +503,16 @@ class Llama(nnx.Module):
             else:
                 attn = gathered_attention(q, k_cache, v_cache, li)
             out = product(attn, p["wo"])
-            x = x + (out + p["bo"] if cfg.output_bias else out)
-            h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-            gate_up = product(h, p["w_gate_up"])  # [B, T, 2, I]
-            x = x + product(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], p["w_down"])
+            out = out + p["bo"] if cfg.output_bias else out
+            x = x + (norm(out, p["attn_post_norm"], cfg.rms_norm_eps) if cfg.sandwich_norms else out)
+            h = norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+            if cfg.num_experts:  # routed experts (model/moe.py) on every row: each row's result is its own
+                x = x + moe.moe_mlp(h, p["w_router"], p["we_gate_up"], p["we_down"], cfg.num_experts_per_tok,
+                                    cfg.norm_topk_prob, self.expert_mesh)  # fmt: skip
+            else:
+                gate_up = product(h, p["w_gate_up"])  # [B, T, 2, I]
+                y = product(activation(gate_up[..., 0, :]) * gate_up[..., 1, :], p["w_down"])
+                x = x + (norm(y, p["mlp_post_norm"], cfg.rms_norm_eps) if cfg.sandwich_norms else y)
             return x, k_cache, v_cache
 
         k_cache, v_cache = cache.k, cache.v
@@ -459,10 +527,13 @@ class Llama(nnx.Module):
         else:
             for li, layer in enumerate(self.layers):
                 x, k_cache, v_cache = block(x, k_cache, v_cache, li, layer.arrays())
-        x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+        x = norm(x, self.final_norm[...], cfg.rms_norm_eps)
         return x, KVCache(k_cache, v_cache, table)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden: [..., H] -> fp32 logits [..., V]."""
         w = (self.embed if self.cfg.tie_word_embeddings else self.lm_head).get_value()
-        return linear(hidden, w, out_dtype=jnp.float32)
+        logits = linear(hidden, w, out_dtype=jnp.float32)
+        if cap := self.cfg.final_logit_softcapping:  # Gemma: tanh soft-capping
+            logits = cap * jnp.tanh(logits / cap)
+        return logits

@@ -39,7 +39,8 @@ import numpy as np
 
 PACK = 32  # inputs per packed 4-bit block
 # The matrices that int8 quantizes (norms and biases stay in the model's dtype).
-INT8_PARAMS = ("embed", "lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+INT8_PARAMS = ("embed", "lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
+               "we_gate", "we_up", "we_down")  # fmt: skip
 W8A8 = "w8a8"  # the kind of an int8 per-channel matrix whose products are integer (`integer_product`)
 
 

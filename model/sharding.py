@@ -18,6 +18,7 @@ DEFAULT_RULES = {
     "heads": "model",
     "kv_heads": "model",
     "mlp": "model",
+    "experts": None,  # MoE experts: each device holds a slice of every expert (its "mlp" axis)
     "vocab": None,
     "embed": None,
     "layers": None,

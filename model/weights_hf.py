@@ -29,6 +29,17 @@ _LAYER_MAP = {
     "mlp.gate_proj.weight": "w_gate",
     "mlp.up_proj.weight": "w_up",
     "mlp.down_proj.weight": "w_down",
+    "mlp.gate.weight": "w_router",  # Qwen3-MoE
+    "mlp.experts.down_proj": "we_down",  # experts stored fused ([E, H, Ie]), as transformers >= 5 holds them
+}
+# one expert's matrix, "mlp.experts.{e}.{name}" (as Qwen3-MoE checkpoints store them): stacked over the experts
+_EXPERT_MAP = {"gate_proj.weight": "we_gate", "up_proj.weight": "we_up", "down_proj.weight": "we_down"}
+# Gemma 3: post_attention_layernorm is the attention output's norm; the MLP has a norm before and one after
+_GEMMA3_LAYER_MAP = {
+    **_LAYER_MAP,
+    "post_attention_layernorm.weight": "attn_post_norm",
+    "pre_feedforward_layernorm.weight": "mlp_norm",
+    "post_feedforward_layernorm.weight": "mlp_post_norm",
 }
 _TOP_MAP = {
     "model.embed_tokens.weight": "embed",
@@ -78,11 +89,22 @@ def load_hf_weights(
 def _add(stacker: LayerStacker, key: str, tensor: np.ndarray, file: pathlib.Path) -> None:
     if key.startswith("model.layers."):
         _, _, idx, rest = key.split(".", 3)
-        if rest not in _LAYER_MAP:
+        if rest.startswith("mlp.experts."):
+            parts = rest.split(".", 3)
+            if len(parts) == 4 and parts[2].isdigit() and parts[3] in _EXPERT_MAP:
+                stacker.add_expert(int(idx), int(parts[2]), _EXPERT_MAP[parts[3]], tensor)
+                return
+            if rest == "mlp.experts.gate_up_proj":  # fused [E, 2 * Ie, H]: gate rows, then up rows
+                half = tensor.shape[1] // 2
+                stacker.add_layer(int(idx), "we_gate", tensor[:, :half])
+                stacker.add_layer(int(idx), "we_up", tensor[:, half:])
+                return
+        layer_map = _GEMMA3_LAYER_MAP if stacker.cfg.sandwich_norms else _LAYER_MAP
+        if rest not in layer_map:
             if rest.endswith("rotary_emb.inv_freq"):
                 return
             raise ModelLoadError(f"{file}: unexpected tensor {key}")
-        stacker.add_layer(int(idx), _LAYER_MAP[rest], tensor)
+        stacker.add_layer(int(idx), layer_map[rest], tensor)
     elif key in _TOP_MAP:
         stacker.add_top(_TOP_MAP[key], tensor)
     else:

@@ -17,6 +17,13 @@ class LayerStacker:
         self.shapes = param_shapes(cfg)
         self.top: dict[str, Any] = {}
         self.layers: dict[str, list[Any]] = {}
+        self.experts: dict[tuple[str, int], list[Any]] = {}  # (name, layer) -> one tensor per expert
+
+    def add_expert(self, index: int, expert: int, name: str, tensor: Any) -> None:
+        """One expert's matrix of layer `index`: a layer's experts are stacked into one [E, ...] tensor."""
+        if not 0 <= expert < self.cfg.num_experts:
+            raise ModelLoadError(f"expert index {expert} out of range (num_experts={self.cfg.num_experts})")
+        self.experts.setdefault((name, index), [None] * self.cfg.num_experts)[expert] = tensor
 
     def add_top(self, name: str, tensor: Any) -> None:
         self.top[name] = tensor
@@ -27,6 +34,14 @@ class LayerStacker:
         self.layers.setdefault(name, [None] * self.cfg.num_layers)[index] = tensor
 
     def finish(self, source: str) -> dict[str, object]:
+        for (name, index), parts in sorted(self.experts.items()):
+            gaps = [e for e, p in enumerate(parts) if p is None]
+            if gaps:
+                raise ModelLoadError(
+                    f"{source}: tensor {name} of layer {index} missing for experts {gaps[:8]}"
+                )
+            self.add_layer(index, name, stack(parts))
+        self.experts.clear()
         out: dict[str, object] = {}
         for name, shape in self.shapes.items():
             if name in self.top:

@@ -178,13 +178,14 @@ def test_greedy_continuations_through_the_engine_equal_transformers(qwen3):  # l
 
 
 def test_checkpoint_of_an_unsupported_architecture_fails_with_one_line(tmp_path, caplog, capsys):
-    """A Gemma 3 directory: the loader's error names it and the supported list; the backend (what `tpuserve serve`
-    runs) logs that one line and exits 2, `tpuserve generate` prints it: no traceback."""
-    config = {"model_type": "gemma3_text", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+    """A multimodal Gemma 3 directory (only gemma3_text is served): the loader's error names it and the supported
+    list; the backend (what `tpuserve serve` runs) logs that one line and exits 2, `tpuserve generate` prints it:
+    no traceback."""
+    config = {"model_type": "gemma3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
-    line = (f"{tmp_path / 'config.json'}: unsupported architecture model_type='gemma3_text'; "
-            "supported: llama, mistral, qwen2, qwen3")  # fmt: skip
+    line = (f"{tmp_path / 'config.json'}: unsupported architecture model_type='gemma3'; "
+            "supported: llama, mistral, qwen2, qwen3, gemma3_text, qwen3_moe")  # fmt: skip
     with pytest.raises(ModelLoadError) as e:
         load_model(tmp_path)
     assert str(e.value) == line
