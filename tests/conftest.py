@@ -47,6 +47,7 @@ SLOW_MODULES = {
     "tests/sampler/test_sharding.py",  # meshes of 4 CPU devices
     "tests/http_gateway/test_faults.py",  # backend and gateway processes killed and restarted
     "tests/http_gateway/test_load.py",
+    "tests/http_gateway/test_families_end_to_end.py",  # tiny random models of each family, compiled and served
     "tests/http_gateway/test_gateway_openapi_fuzz.py",
     "tests/model/test_serving_without_torch.py",  # a venv-like subprocess with torch hidden
     "tests/bench/test_device_smoke.py",
