@@ -300,3 +300,37 @@ def test_int8_weights_serve_a_chat_completion_with_logprobs(family: Family) -> N
         entries = out.choices[0].logprobs.content
         assert entries and all(math.isfinite(e.logprob) for e in entries)
         assert all(math.isfinite(t.logprob) for e in entries for t in e.top_logprobs)
+
+
+# ---- compiles -----------------------------------------------------------------------------------------------------
+
+
+def test_nothing_compiles_after_warm_up(family: Family) -> None:
+    """The family's own code (windows chosen per layer, routed experts) lives inside the engine's programs, whose
+    shapes are the buckets': after warm-up, prompts of every chunk plan, prompt logprobs, greedy and seeded
+    decoding over every attention bucket compile nothing. A small engine, so the warm-up is short."""
+    import jax
+    from tpuserve.sampler.api import SlotParams
+
+    from tests.helpers import run_engine
+
+    engine = JaxEngine(load_model(family.directory),
+                       engine_config(slots=2, max_seq_len=128, prefill_chunk=32, min_prefill_bucket=32))  # fmt: skip
+    engine.warm_up()
+    compiles: list[str] = []
+
+    def on_event(name: str, *args, **kwargs) -> None:
+        if "backend_compile" in name:
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        rng = np.random.default_rng(0)
+        for length in (3, 31, 33, 90):
+            ids = [int(t) for t in rng.integers(10, 40000, size=length)]
+            requests = [(0, ids, SlotParams(max_tokens=128 - length - 1, temperature=0.0)),
+                        (1, ids[::-1], SlotParams(max_tokens=6, temperature=1.0, seed=length))]  # fmt: skip
+            run_engine(engine, requests, want_prompt_logprobs=True)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert compiles == []
