@@ -253,7 +253,6 @@ class Orchestrator:
             log.exception("weight swap failed")
             update.done(exc)
             return
-        log.info("weights swapped: now serving %r", update.version)
         update.done(self._aborted)
 
     def _turn(self) -> None:

@@ -195,7 +195,7 @@ class JaxEngine(Engine):
         program_cfg = ProgramConfig(K=MAX_TOP_LOGPROBS, chunk=self.prefill_chunk, max_seq_len=max_seq_len,
                                     processed_logprobs=cfg.processed_logprobs, invariant_rows=self.invariant_rows,
                                     decode_attention=resolve_decode_attention(cfg.decode_attention),
-                                    mesh=mesh)  # fmt: skip
+                                    mesh=mesh, rescore_exact=cfg.rescore_exact)  # fmt: skip
         self.programs = build_programs(self.graphdef, program_cfg)
         self.capabilities = Capabilities(
             structured_outputs=True,
@@ -650,6 +650,7 @@ class JaxEngine(Engine):
         self.params = weights
         self.weight_version = version
         self.pages.forget_cache(reset_counts=False)  # their keys and values are the old weights'
+        log.info("weights swapped: serving version %r", version)
 
     # -- start-up -----------------------------------------------------------------------------------------------
     def chunk_plan(self, n: int, first: int = 0) -> list[tuple[int, int, int, int]]:

@@ -235,15 +235,20 @@ class LeaderEngine(Engine):
     def weight_version(self) -> str:
         return self.inner.weight_version
 
+    @weight_version.setter
+    def weight_version(self, version: str) -> None:  # the start's (--weight-version); the followers' answer nobody
+        self.inner.weight_version = version
+
     def load_weights(self, path: str) -> Any:
-        """Every process loads `path` (the same file system path on each host): the followers in their command
-        loop, so the group's calls wait for their load (the leader's serving stops meanwhile), the leader here,
-        on the caller's thread, outside the channel's lock."""
+        """Every process loads `path` (the same file system path on each host), the followers in their command
+        loop and the leader here, under the channel's lock: a checkpoint's restore runs collectives of its own
+        (Orbax's), which no other command (a decode call, a heartbeat) may interleave with. So the group serves
+        nothing while it loads."""
         with self.channel.lock:
             self._next_handle += 1
             handle = self._next_handle
             self._send(REPLICATED["load_weights"], handle, str(path))
-        return handle, self.inner.load_weights(path)
+            return handle, self.inner.load_weights(path)
 
     def weights_from_arrays(self, params: dict[str, Any]) -> Any:
         raise NotImplementedError(

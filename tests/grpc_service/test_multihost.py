@@ -26,6 +26,7 @@ from tpuserve.proto.tpuserve.v1 import tpuserve_pb2_grpc as pb_grpc
 from tests.helpers import free_port, wait_until
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+ADMIN_KEY = "group-admin-key"
 TP_TOL = 5e-5  # docs/engine.md "Numerical fidelity": row-parallel products sum in another order
 ENGINE = {
     "slots": 4,
@@ -66,7 +67,7 @@ class Group:
             else None
         )
         config = write_config(tmp_path, f"group{processes}.yaml", server, model)
-        env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices)}
+        env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "TPUSERVE_ADMIN_KEY": ADMIN_KEY}
         self.logs: dict[str, list[str]] = {}
         self.followers = [
             self._start(
@@ -203,6 +204,7 @@ def test_two_processes_serve_like_one_and_stop_together_on_sigterm(tmp_path, ref
             info = pb_grpc.TextGenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
         assert info.num_processes == 2 and list(info.mesh_shape) == [1, 4], info
         worst = 0.0
+        first = group.complete(PROMPTS[0])
         for prompt, ref in zip(PROMPTS, reference):
             got = group.complete(prompt)
             assert got["tokens"] == ref["tokens"], (prompt, got["tokens"], ref["tokens"])
@@ -213,6 +215,14 @@ def test_two_processes_serve_like_one_and_stop_together_on_sigterm(tmp_path, ref
                 worst = max(worst, max(abs(a[t] - b[t]) for t in common))
         print(f"\n2 processes x 2 devices vs 1 process x 4: greedy tokens equal, max |Δ logprob| {worst:.1e}")
         assert worst <= TP_TOL
+        # a weight update is loaded and swapped on every process (the same checkpoint: the same answers after)
+        r = httpx.post(f"{group.base}/v1/admin/update_weights", timeout=300,
+                       headers={"authorization": f"Bearer {ADMIN_KEY}"},
+                       json={"model_path": str(orbax), "weight_version": "v2"})  # fmt: skip
+        assert r.status_code == 200 and r.json()["weight_version"] == "v2", r.text
+        assert group.complete(PROMPTS[0]) == first
+        for name, lines in group.logs.items():
+            assert any("weights swapped: serving version 'v2'" in line for line in lines), (name, group.log_tail())
         # SIGTERM while a request runs: it completes, then both processes exit 0
         done: list[httpx.Response] = []
         body = {"model": group.model, "prompt": PROMPTS[2], "max_tokens": 16, "temperature": 0}
