@@ -16,6 +16,10 @@ measured says "not run" or "error", never PASS. Row groups (`--only`, comma-sepa
   mixed, shared_system   a mixed load of short and ~3,000-token prompts; a shared system prompt: bench/mixed.py
   prefix     the prefix cache on vs off (two servers of their own): see bench/prefix.py
   quant      the GGUF's quantized blocks kept vs dequantized at load (two servers of their own): bench/quant.py
+  w8a8       `--quantization w8a8` vs the exact default and vs llama-server, 1 stream and 64 x 64 (servers of
+             their own, started together, measured one at a time): bench/w8a8.py
+  drift      teacher-forced logprob drift from the exact default of w8a8, int8 and llama.cpp on the same tokens
+             (servers of their own, one at a time): bench/drift.py
   weights    a weight update (POST /v1/admin/update_weights, idle) vs a restart to /health: bench/weights.py
   multihost  one model over 2 processes x 2 CPU devices vs 1 process x 4 (servers of their own, one loaded at a
              time; slow: several minutes): bench/multihost.py
@@ -50,8 +54,11 @@ from bench.hf import TORCH_THREADS
 from bench.table import FAILED, Row, Target, count_row, judged, markdown, not_run, write_json
 
 ALL = ["single", "ttft", "many", "logprobs", "ttft_load", "ttft_streams", "mixed", "shared_system"]
-ALL += ["compiles", "startup", "prefix", "quant", "weights", "multihost", "engine"]
-LLAMA_GROUPS = {"single", "ttft", "many", "ttft_load", "ttft_streams", "mixed", "shared_system"}
+ALL += ["compiles", "startup", "prefix", "quant", "w8a8", "drift", "weights", "multihost", "engine"]
+LLAMA_GROUPS = {"single", "ttft", "many", "ttft_load", "ttft_streams", "mixed", "shared_system", "w8a8",
+                "drift"}  # fmt: skip
+# the groups that start servers of their own (or none): not measured on the run's servers
+OWN_SERVERS = {"engine", "startup", "prefix", "quant", "w8a8", "drift", "weights", "multihost"}
 # the groups measured on the run's servers (measure_http)
 GROUPS = {**rows.GROUPS, **ttft_streams.GROUPS, **mixed.GROUPS}
 
@@ -139,7 +146,7 @@ def _start(
     llama = None
     if args.llama_url:
         llama = servers.Server("llama-server", args.llama_url.rstrip("/"), [], workdir / "none.log")
-    elif args.llama_server and LLAMA_GROUPS & set(groups):
+    elif args.llama_server and (LLAMA_GROUPS & set(groups)) - OWN_SERVERS:
         llama = pool.start(servers.llama(workdir, args.llama_server, gguf))
     return tpu, llama
 
@@ -261,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     raw: dict = {}
     start = time.perf_counter()
     out: list[Row] = []
-    if set(groups) - {"engine", "startup", "prefix", "quant", "weights", "multihost"}:
+    if set(groups) - OWN_SERVERS:
         out += measure_http(args, plan, groups, gguf, workdir, meta, raw)
     if "startup" in groups:
         out.append(startup_row(args, workdir, raw))
@@ -278,10 +285,22 @@ def main(argv: list[str] | None = None) -> int:
         out += _guarded(
             "quant", lambda: quant_rows(args.config, workdir, plan.reps, args.quick, raw, external=external)
         )
+    if "w8a8" in groups:
+        from bench.w8a8 import w8a8_rows
+
+        out += _guarded("w8a8", lambda: w8a8_rows(args.config, workdir, plan, raw, external, args.llama_server,
+                                                  args.llama_url, gguf))  # fmt: skip
+    if "drift" in groups:
+        from bench.drift import drift_rows
+
+        out += _guarded("drift", lambda: drift_rows(args.config, workdir, raw, external, args.llama_server,
+                                                    args.llama_url, gguf))  # fmt: skip
     if "weights" in groups:
         from bench.weights import weight_rows
 
-        out += _guarded("weights", lambda: weight_rows(args.config, workdir, plan.reps, raw, external=external))
+        out += _guarded(
+            "weights", lambda: weight_rows(args.config, workdir, plan.reps, raw, external=external)
+        )
     if "multihost" in groups:
         from bench.multihost import multihost_rows
 

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import httpx
+
 from bench import clients, servers
 from bench.rows import COMPLETIONS, log, median
 from bench.table import FAILED, Row, Target, judged, not_run
@@ -25,7 +26,13 @@ TARGET = Target("<=", 0.2)
 
 
 def _greedy(base_url: str, model: str) -> list[Any]:
-    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0.0, "logprobs": 2}
+    body = {
+        "model": model,
+        "prompt": "The capital of France is",
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "logprobs": 2,
+    }
     r = httpx.post(base_url + COMPLETIONS, json=body, timeout=300)
     r.raise_for_status()
     return r.json()["choices"][0]["logprobs"]["token_logprobs"]
@@ -62,7 +69,18 @@ def weight_rows(config: str | None, workdir: pathlib.Path, reps: int, raw: dict,
                            json={"model_path": str(checkpoint), "weight_version": f"bench-{rep}"})  # fmt: skip
             update_s.append(time.perf_counter() - start)
             if r.status_code != 200 or not r.json().get("success"):
-                return [Row("weight_update", NAME, "—", "—", None, TARGET.text(), FAILED, f"update: {r.text[:300]}")]
+                return [
+                    Row(
+                        "weight_update",
+                        NAME,
+                        "—",
+                        "—",
+                        None,
+                        TARGET.text(),
+                        FAILED,
+                        f"update: {r.text[:300]}",
+                    )
+                ]
         if _greedy(server.base_url, model) != before:
             return [Row("weight_update", NAME, "—", "—", None, TARGET.text(), FAILED,
                         "the answers changed after updating to the same weights")]  # fmt: skip

@@ -56,7 +56,9 @@ async def served_logprobs(stub, ids: list[int]) -> tuple[list[float], str]:
 
 async def main(learning_rate: float) -> dict:
     loaded = load_model(quantization="none")  # fp32 arrays: the trainer's parameters, and the server's
-    engine = JaxEngine(loaded, EngineConfig(slots=2, max_seq_len=128, prefill_chunk=64, min_prefill_bucket=16))
+    engine = JaxEngine(
+        loaded, EngineConfig(slots=2, max_seq_len=128, prefill_chunk=64, min_prefill_bucket=16)
+    )
     server = await start_server(engine, loaded.tokenizer, "smol", port=0, weight_version="step-0")
     await server.ready
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:

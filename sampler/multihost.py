@@ -236,7 +236,8 @@ class LeaderEngine(Engine):
         return self.inner.weight_version
 
     @weight_version.setter
-    def weight_version(self, version: str) -> None:  # the start's (--weight-version); the followers' answer nobody
+    def weight_version(self, version: str) -> None:
+        # the version at start (--weight-version): the leader answers; the followers' own is never read
         self.inner.weight_version = version
 
     def load_weights(self, path: str) -> Any:

@@ -14,7 +14,7 @@ def test_rl_weight_update_example_trains_a_step_and_serves_it():
     answers carry the new version, the server's re-score of the sample rises, and before the step the server's
     score is the trainer's own (same weights, same model code)."""
     out = subprocess.run([sys.executable, str(REPO / "examples" / "rl_weight_update.py")], capture_output=True,
-                         text=True, timeout=600, cwd=REPO)  # fmt: skip
+                         text=True, timeout=600, cwd=REPO, check=False)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert (result["version_before"], result["version_after"]) == ("step-0", "step-1")

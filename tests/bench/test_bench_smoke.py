@@ -324,3 +324,151 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return "State:\tZ" not in status  # a zombie has exited (its parent, gone, cannot reap it at once)
+
+
+# ---- w8a8 and drift (servers of their own; measured here against fakes, and their pure parts) -------------------
+
+
+def test_w8a8_rows_against_fakes(tmp_path):
+    """The w8a8 group's measurement on three running servers, alternating: w8a8 (20 ms a token), the exact default
+    (60 ms) and llama-server (150 ms); every verdict is known. Without llama-server its two rows are "not run" with
+    w8a8's figure, and the w8a8-vs-exact rows are still judged."""
+    from bench import w8a8, workload
+    from bench.rows import Side
+
+    fakes = {k: Served(Fake(ttft_s=0.02, token_s=t, lp_token_s=t)) for k, t in
+             ((w8a8.W8A8, 0.02), (w8a8.EXACT, 0.06), (w8a8.LLAMA, 0.15))}  # fmt: skip
+    try:
+
+        def side(key: str, metrics: bool) -> Side:
+            url = fakes[key].url
+            server = servers.Server(
+                key, url, [], tmp_path / f"{key}.log", metrics_url=url if metrics else None
+            )
+            extra = workload.LLAMA_EXTRA if key == w8a8.LLAMA else ()
+            return Side(f"tpuserve {key}" if metrics else key, server, workload.Flavour("fake-model", extra))
+
+        sides = {w8a8.W8A8: side(w8a8.W8A8, True), w8a8.EXACT: side(w8a8.EXACT, True)}
+        raw: dict = {}
+        rows = w8a8.measure({**sides, w8a8.LLAMA: side(w8a8.LLAMA, False)}, workload.QUICK, raw)
+        assert [r.key for r in rows] == ["w8a8"] * 4
+        single_ll, many_ll, single_ex, many_ex = rows
+        assert "1 stream × 16 tokens" in single_ll.name and single_ll.name.endswith("vs llama-server")
+        assert "8 streams × 8 tokens" in many_ll.name and many_ex.name.endswith("vs the exact default")
+        assert all(r.result == PASS for r in rows), [(r.name, r.ratio, r.result) for r in rows]
+        assert single_ll.ratio > 2 and many_ll.ratio > 1.5 and 1.2 < single_ex.ratio and 1.2 < many_ex.ratio
+        assert single_ll.target == "≥ 0.5×" and many_ll.target == "≥ 1.5×" and single_ex.target == "≥ 1×"
+        assert "ended early" in many_ll.note and "the exact default:" in many_ll.note  # "Dear diary": 3 of 8
+        assert set(raw["w8a8"]["single_tok_s"]) == {"tpuserve w8a8", "tpuserve exact", "llama-server"}
+        # one request at a time per server, each prompt new to it; llama-server asked with its extensions
+        assert all(b.get("ignore_eos") is True for b in fakes[w8a8.LLAMA].fake.bodies)
+        for f in fakes.values():
+            texts = [b["prompt"] for b in f.fake.bodies]
+            assert len(texts) == 1 + 8 and len(set(texts)) == len(texts) and f.fake.in_flight == 0
+
+        alone = w8a8.measure({**sides, w8a8.LLAMA: None}, workload.QUICK, {})
+        assert [r.result for r in alone[:2]] == [NOT_RUN, NOT_RUN]
+        assert alone[2].ratio > 1 and alone[3].ratio > 1
+        assert all("tok/s" in r.measured and r.note == "no --llama-server" for r in alone[:2])
+    finally:
+        for f in fakes.values():
+            f.close()
+
+
+def test_w8a8_and_drift_not_run_on_external_servers(pair, capsys):
+    """Both groups start servers of their own: against --tpuserve-url every row is "not run", the run succeeds."""
+    tpu, llama = pair
+    rc = run.main(["--quick", "--only", "w8a8,drift", "--tpuserve-url", tpu.url, "--llama-url", llama.url])
+    assert rc == 0
+    lines = [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| ") and "benchmark" not in line
+    ]
+    assert len(lines) == 4 + 3 and all(line.rstrip().endswith("| not run |") for line in lines)
+    assert tpu.fake.bodies == [] and llama.fake.bodies == []
+
+
+def test_w8a8_exact_mode(tmp_path):
+    from bench.w8a8 import exact_mode
+
+    assert exact_mode(None) == "keep"
+    (tmp_path / "a.yaml").write_text("engine:\n  model: /m/x.gguf\n")
+    (tmp_path / "b.yaml").write_text("engine:\n  model: /m/hf-dir\n  quantization: int8\n")
+    assert exact_mode(str(tmp_path / "a.yaml")) == "keep" and exact_mode(str(tmp_path / "b.yaml")) == "none"
+
+
+def test_drift_text_is_the_reference_text():
+    import ast
+
+    from bench.drift import TEXT
+
+    source = (REPO / "tests/model/test_gguf_reference.py").read_text()
+    assigned = next(
+        n for n in ast.parse(source).body if isinstance(n, ast.Assign) and n.targets[0].id == "TEXT"
+    )
+    assert ast.literal_eval(assigned.value) == TEXT
+
+
+def test_drift_statistics_on_synthetic_logprobs():
+    import math
+
+    from bench.drift import Scored, drift, top_kl
+
+    p = {"a": math.log(0.6), "b": math.log(0.3), "c": math.log(0.1)}
+    assert top_kl(p, p) == pytest.approx(0.0)
+    q = {"a": math.log(0.3), "b": math.log(0.6), "d": math.log(0.05)}  # lacks "c": it takes q's 3rd, log 0.05
+    want = 0.6 * math.log(0.6 / 0.3) + 0.3 * math.log(0.3 / 0.6) + 0.1 * math.log(0.1 / 0.05)
+    assert top_kl(p, q) == pytest.approx(want)
+    assert top_kl(p, q, k=2) == pytest.approx(0.6 * math.log(0.6 / 0.3) + 0.3 * math.log(0.3 / 0.6))
+    ref = Scored([-0.5, -1.0, -2.0], [p, p, p])
+    got = Scored([-0.5, -1.5, -1.0], [p, q, p])
+    d = drift(ref, got)
+    assert (d.positions, d.mean_abs, d.max_abs) == (3, pytest.approx(0.5), pytest.approx(1.0))
+    assert d.top1 == pytest.approx(2 / 3)  # position 1: "a" vs "b"
+    assert d.kl_mean == pytest.approx(want / 3) and d.kl_max == pytest.approx(want)
+    assert "top-1 agreement 66.7 %" in d.text()
+    with pytest.raises(ValueError):
+        drift(ref, Scored([-1.0], [p]))
+
+
+def test_drift_parses_both_servers_answers():
+    """tpuserve's echoed prompt logprobs and llama-server's /completion answer (forced token, or the asked token
+    among the alternatives, or none when llama-server held the token back), with the tokens' texts written alike (a lone UTF-8 lead byte as \\xNN, as tpuserve's gateway writes it)."""
+    from tpuserve.http_gateway.logprobs import token_text as gateway_text
+    from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
+
+    from bench.drift import parse_echo, parse_llama, token_text
+
+    for data in (b"\xe4\xb8", b" caf\xc3\xa9", b"\xbd"):
+        assert token_text(data) == gateway_text(pb.Token(token_bytes=data))
+    choice = {"logprobs": {"tokens": ["a", "b", "c", "x"], "token_logprobs": [None, -1.0, -2.0, -0.1],
+                           "top_logprobs": [None, {"b": -1.0}, {"z": -0.5, "c": -2.0}, {"x": -0.1}]}}  # fmt: skip
+    s = parse_echo(choice, 3)  # a generated entry after the prompt is ignored
+    assert s.chosen == [-1.0, -2.0] and s.top == [{"b": -1.0}, {"z": -0.5, "c": -2.0}]
+    with pytest.raises(RuntimeError):
+        parse_echo(choice, 5)
+    body = {"completion_probabilities": [{"id": 7, "token": ",", "bytes": [44], "logprob": -6.9, "top_logprobs": [
+        {"id": 24, "token": "(", "bytes": [40], "logprob": -0.8},
+        {"id": 99, "token": "?", "bytes": [228, 184], "logprob": -3.0},
+        {"id": 98, "token": "?", "bytes": [228, 184], "logprob": -2.5}]}]}  # fmt: skip
+    assert parse_llama(body, 7) == (-6.9, {"(": -0.8, "\\xe4\\xb8": -2.5, ",": -6.9})
+    assert parse_llama(body, 24) == (-0.8, {"(": -0.8, "\\xe4\\xb8": -2.5})  # another token, among the top
+    assert parse_llama(body, 5) == (None, {"(": -0.8, "\\xe4\\xb8": -2.5})  # not among them: ask for more
+    assert parse_llama({"content": "\ufffd"}, 7) is None  # a token ending inside a character: held back
+
+
+def test_drift_rows_and_their_target():
+    from bench.drift import Drift, rows_of
+
+    def d(x: float) -> Drift:
+        return Drift(256, x, 2 * x, x / 4, x, 0.9)
+
+    llama, i8, w8 = rows_of({"llama": d(0.2), "w8a8": d(0.25), "int8": d(0.08)})
+    assert (llama.result, llama.measured, llama.ratio) == ("diagnostic", "0.200", None)
+    assert (i8.result, i8.ratio) == ("diagnostic", pytest.approx(0.4))
+    assert (w8.result, w8.ratio, w8.target) == (MISS, pytest.approx(1.25), "≤ 1×")
+    assert rows_of({"llama": d(0.3), "w8a8": d(0.25)})[2].result == PASS
+    alone = rows_of({"w8a8": d(0.25), "int8": d(0.08)})
+    assert [r.result for r in alone] == [NOT_RUN] * 3 and alone[2].measured == "0.250"
+    assert alone[0].note == "no --llama-server" and alone[2].note.startswith("no --llama-server; |Δ logprob|")

@@ -222,7 +222,10 @@ def test_two_processes_serve_like_one_and_stop_together_on_sigterm(tmp_path, ref
         assert r.status_code == 200 and r.json()["weight_version"] == "v2", r.text
         assert group.complete(PROMPTS[0]) == first
         for name, lines in group.logs.items():
-            assert any("weights swapped: serving version 'v2'" in line for line in lines), (name, group.log_tail())
+            assert any("weights swapped: serving version 'v2'" in line for line in lines), (
+                name,
+                group.log_tail(),
+            )
         # SIGTERM while a request runs: it completes, then both processes exit 0
         done: list[httpx.Response] = []
         body = {"model": group.model, "prompt": PROMPTS[2], "max_tokens": 16, "temperature": 0}

@@ -58,7 +58,9 @@ def served(checkpoints, embedded):
     """A real backend on the base checkpoint (16 slots, no warm-up: programs compile on first use), with an admin
     key, starting as version "base"."""
     base = load_model(checkpoints[0])
-    engine = JaxEngine(base, engine_config(slots=STREAMS, max_seq_len=256, prefill_chunk=64, min_prefill_bucket=32))
+    engine = JaxEngine(
+        base, engine_config(slots=STREAMS, max_seq_len=256, prefill_chunk=64, min_prefill_bucket=32)
+    )
     server = ServerThread(engine, embedded.tokenizer, model_id="smol", admin_key=ADMIN_KEY, weight_version="base",
                           served_model_names=["smol", "smol-alias"])  # fmt: skip
     yield server
@@ -66,7 +68,9 @@ def served(checkpoints, embedded):
 
 
 def _request(seed: int | None = None, max_tokens: int = 8, prompt: str = PROMPT) -> dict:
-    sampling = pb.SamplingParams(temperature=0.0) if seed is None else pb.SamplingParams(temperature=1.0, seed=seed)
+    sampling = (
+        pb.SamplingParams(temperature=0.0) if seed is None else pb.SamplingParams(temperature=1.0, seed=seed)
+    )
     return {
         "text": prompt,
         "sampling": sampling,
@@ -161,7 +165,9 @@ def test_an_update_while_16_streams_decode_loses_none(served, checkpoints, abort
     a fraction of a second to place (from a file they would take seconds, and the streams could end first)."""
     base, _, arrays, _ = checkpoints
     assert _update(served, base, "base").success
-    requests = [_request(seed=i if i % 2 else None, max_tokens=64, prompt=f"{PROMPT} {i}") for i in range(STREAMS)]
+    requests = [
+        _request(seed=i if i % 2 else None, max_tokens=64, prompt=f"{PROMPT} {i}") for i in range(STREAMS)
+    ]
     results, threads, started = _streams(served, requests)
     assert started.wait(300)
     update = served.server.update_weights("step-1", params=arrays, abort_in_flight=abort)
@@ -178,7 +184,9 @@ def test_an_update_while_16_streams_decode_loses_none(served, checkpoints, abort
             assert e.code() == grpc.StatusCode.ABORTED and "step-1" in e.details()
     else:  # the swap waited for every stream
         assert aborted == 0 and not ended and unfinished == 0
-    assert _answer(generate(served.stub, **_request()))[1] == "step-1"  # the next request meets the new weights
+    assert (
+        _answer(generate(served.stub, **_request()))[1] == "step-1"
+    )  # the next request meets the new weights
     # each stream that finished did so on the old weights: the same requests on them give the same bits (run
     # together again, and two alone: alone and beside others are the same, tests/sampler/test_batch_invariance.py)
     assert _update(served, base, "base").success
@@ -202,7 +210,9 @@ def test_a_trainers_arrays_serve_the_same_bits_as_the_same_weights_from_a_file(s
     from_file, _ = _answer(generate(served.stub, **_request(seed=5)))
     # the in-process API: the arrays on a device of their own placement, resharded onto the engine's
     on_device = {name: jax.device_put(a, jax.devices()[1]) for name, a in arrays.items()}
-    ok, message, aborted = served.call(served.server.update_weights("from-arrays", params=on_device), timeout=300)
+    ok, message, aborted = served.call(
+        served.server.update_weights("from-arrays", params=on_device), timeout=300
+    )
     assert ok and aborted == 0, message
     from_arrays, version = _answer(generate(served.stub, **_request(seed=5)))
     assert version == "from-arrays" and from_arrays == from_file
@@ -232,7 +242,9 @@ def test_over_http_the_admin_endpoint_updates_and_every_answer_carries_the_versi
     gateway = GatewayServer([served.address], admin_key=ADMIN_KEY).start()
     try:
         client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused")
-        admin = httpx.Client(base_url=gateway.url, timeout=300, headers={"authorization": f"Bearer {ADMIN_KEY}"})
+        admin = httpx.Client(
+            base_url=gateway.url, timeout=300, headers={"authorization": f"Bearer {ADMIN_KEY}"}
+        )
         body = {"model_path": str(perturbed), "weight_version": "step-2"}
         refused = httpx.post(gateway.url + "/v1/admin/update_weights", json=body, timeout=30)
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
@@ -252,9 +264,9 @@ def test_over_http_the_admin_endpoint_updates_and_every_answer_carries_the_versi
         assert bad.status_code == 400 and bad.json()["success"] is False
         assert bad.json()["error"]["param"] == "model_path" and "no such file" in bad.json()["message"]
         assert admin.post("/v1/admin/update_weights", json={"model_path": 3}).status_code == 400
-        assert admin.post("/v1/admin/update_weights", json={"model_path": str(base), "weight_version": "base"}).json()[
-            "success"
-        ]
+        assert admin.post(
+            "/v1/admin/update_weights", json={"model_path": str(base), "weight_version": "base"}
+        ).json()["success"]
     finally:
         gateway.stop()
 
