@@ -1,24 +1,25 @@
 """One decoder layer's decode step, MoE against dense, in process: a Qwen3-MoE layer (E experts of Ie, k per token)
 and a dense Qwen3 layer whose MLP has the same active parameters (intermediate k * Ie), same attention, random fp32
-weights, jitted, best of N calls. Prints each time and the ratio MoE / dense per batch size, for the whole layer
-and for the MLP alone (model/moe.py's routed experts against one SwiGLU product pair).
+weights, jitted, best of N calls (the kernels and the dense layer interleaved, so a noisy box moves them alike).
+Prints each time and the ratio MoE / dense per batch size and MoE kernel (model/moe.py), for the whole layer and
+for the MLP alone (the routed experts against one SwiGLU product pair).
 
-  .venv-test/bin/python bench/moe_layer.py [--hidden 768 --experts 32 --top-k 4 --moe-inter 256 --rows 1 8 64]
+  .venv-test/bin/python bench/moe_layer.py [--hidden 768 --experts 32 --top-k 4 --moe-inter 256 --rows 1 8 64
+                                            --kernels tiles ragged --tile-rows 8]
 
-The experts run as the backend's grouped product (model/moe.py: `jax.lax.ragged_dot_general` off TPU). On XLA:CPU
-that product has no grouped kernel: jax lowers it to one dense product over every expert with the rows of other
-experts masked to zero, contracting over (expert, input) of the [E, out, in] stack, so a step reads (and multiplies
-by) all E experts, not the k a token uses, and XLA transposes the stack for that product. TPU (megablox) and GPU
-(XLA's ragged dot) visit only the groups that have rows.
-
-Measured on the 2-core CPU box (XLA:CPU, fp32, defaults above, other work running beside it, so only the order of
-magnitude holds): the layer's decode step MoE / dense 106x at 1 row, 29x at 8, 17x at 64 (MLP alone 311x / 93x /
-43x); with 8 experts of 128, top-2, H 256: 9.5x / 4.6x / 2.3x. The 1.5x target is not met on CPU."""
+Kernels: "ragged" is `jax.lax.ragged_dot_general`, which XLA:CPU lowers to one dense product over every expert
+with the rows of other experts masked, so a step reads (and multiplies by) all E experts; "tiles" (the CPU
+default) pads each expert's rows to tiles of R rows and loops over the non-empty tiles only, one [R, in] x
+[in, out] product per tile on its expert's matrix. `--tile-rows` sets R (a list: each is a kernel "tiles/R").
+Results: docs/engine.md, "Mixture of experts (Qwen3-MoE)"."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
+import pathlib
 import time
 
 import jax
@@ -52,32 +53,63 @@ def random_params(cfg: ModelConfig, seed: int) -> dict[str, jax.Array]:
     return out
 
 
-def layer_step(cfg: ModelConfig, rows: int, context: int, n: int) -> float:
-    """Seconds of one jitted decode step (T = 1) of a one-layer model over `rows` rows attending `context`
-    positions."""
+def layer_step(cfg: ModelConfig, rows: int, context: int):
+    """A call of one jitted decode step (T = 1) of a one-layer model over `rows` rows attending `context`
+    positions (compiled under the MoE kernel set at the time: `with_kernel`)."""
     graph, state = nnx.split(Llama(cfg, module_params(cfg, random_params(cfg, 0), scan_layers=False)))
     cache = init_cache(cfg, rows, context)
-    tokens = jnp.zeros((rows, 1), jnp.int32)
+    # distinct tokens, so the rows route to different experts (identical rows would all pick the same k)
+    tokens = (jnp.arange(rows, dtype=jnp.int32)[:, None] * 37) % cfg.vocab_size
     positions = jnp.full((rows, 1), context - 1, jnp.int32)
     # the weights are arguments (as the engine passes them), not constants XLA could fold
     step = jax.jit(lambda state, tokens, positions, cache: nnx.merge(graph, state)(tokens, positions, cache,
                                                                                   context)[0])  # fmt: skip
-    return best_of(lambda: step(state, tokens, positions, cache), n)
+    call = functools.partial(step, state, tokens, positions, cache)
+    jax.block_until_ready(call())  # compile now, under the kernel set now
+    return call
 
 
-def mlp_only(cfg: ModelConfig, dense: ModelConfig, rows: int, n: int) -> tuple[float, float]:
+def mlp_calls(cfg: ModelConfig, dense: ModelConfig, rows: int, kernels: list[str]) -> dict:
+    """The MLP alone: a call of the routed experts per kernel and of the dense SwiGLU."""
     p = module_params(cfg, random_params(cfg, 1), scan_layers=False)["layers"][0]
     d = module_params(dense, random_params(dense, 1), scan_layers=False)["layers"][0]
     h = jnp.asarray(np.random.default_rng(2).normal(size=(rows, cfg.hidden_size)), jnp.float32)
-    routed = jax.jit(lambda h, p: moe.moe_mlp(h, p["w_router"], p["we_gate_up"], p["we_down"],
-                                              cfg.num_experts_per_tok, cfg.norm_topk_prob))  # fmt: skip
 
     def swiglu(h, d):
         gate_up = linear(h, d["w_gate_up"])
         return linear(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], d["w_down"])
 
-    dense_fn = jax.jit(swiglu)
-    return best_of(lambda: routed(h, p), n), best_of(lambda: dense_fn(h, d), n)
+    calls = {"dense": functools.partial(jax.jit(swiglu), h, d)}
+    for name in kernels:
+        kernel = name.partition("/")[0]
+        routed = jax.jit(functools.partial(moe.moe_mlp, top_k=cfg.num_experts_per_tok,
+                                           norm_topk_prob=cfg.norm_topk_prob, kernel=kernel))  # fmt: skip
+        with with_kernel(name):
+            jax.block_until_ready(routed(h, p["w_router"], p["we_gate_up"], p["we_down"]))
+        calls[name] = functools.partial(routed, h, p["w_router"], p["we_gate_up"], p["we_down"])
+    return calls
+
+
+@contextlib.contextmanager
+def with_kernel(name: str):
+    """Trace under MoE kernel `name` ("ragged", "tiles", "tiles/R"): the default kernel and tile rows set."""
+    kernel, _, tile_rows = name.partition("/")
+    saved = moe.default_kernel, moe.TILE_ROWS
+    moe.default_kernel = lambda: kernel
+    moe.TILE_ROWS = int(tile_rows or moe.TILE_ROWS)
+    try:
+        yield
+    finally:
+        moe.default_kernel, moe.TILE_ROWS = saved
+
+
+def interleaved(calls: dict, n: int, rounds: int = 3) -> dict:
+    """Best seconds of each call over `rounds` rounds of n calls, the calls taking turns."""
+    best = {}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            best[name] = min(best.get(name, float("inf")), best_of(call, n))
+    return best
 
 
 def main() -> None:
@@ -88,8 +120,16 @@ def main() -> None:
     ap.add_argument("--moe-inter", type=int, default=256)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kernels", nargs="+", default=["tiles", "ragged"])
+    ap.add_argument(
+        "--tile-rows", type=int, nargs="+", default=[moe.TILE_ROWS], help='the "tiles" kernel\'s R'
+    )
     args = ap.parse_args()
+    kernels = []
+    for k in args.kernels:
+        kernels += [f"tiles/{r}" for r in args.tile_rows] if k == "tiles" else [k]
     heads = args.hidden // 64
     cfg = ModelConfig(architecture="qwen3_moe", vocab_size=256, hidden_size=args.hidden, intermediate_size=0,
                       num_layers=1, num_heads=heads, num_kv_heads=max(1, heads // 4), head_dim=64, qk_norm=True,
@@ -99,14 +139,21 @@ def main() -> None:
                                 num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
                                 norm_topk_prob=False)  # fmt: skip
     print(f"backend {jax.default_backend()}; H {args.hidden}, {args.experts} experts of {args.moe_inter}, top-{args.top_k}"
-          f" (dense: intermediate {args.top_k * args.moe_inter}); best of {args.calls} calls")  # fmt: skip
+          f" (dense: intermediate {args.top_k * args.moe_inter}); best of {args.rounds} x {args.calls} calls,"
+          f" interleaved; load average {pathlib.Path('/proc/loadavg').read_text().split()[0]}")  # fmt: skip
     for rows in args.rows:
-        t_moe, t_dense = layer_step(cfg, rows, args.context, args.calls), layer_step(dense, rows, args.context,
-                                                                                      args.calls)  # fmt: skip
-        m_moe, m_dense = mlp_only(cfg, dense, rows, args.calls)
-        print(f"rows {rows:3d}: layer decode step MoE {t_moe * 1e3:7.3f} ms, dense {t_dense * 1e3:7.3f} ms, "
-              f"ratio {t_moe / t_dense:5.2f}; MLP alone {m_moe * 1e3:7.3f} vs {m_dense * 1e3:7.3f} ms, "
-              f"ratio {m_moe / m_dense:5.2f}")  # fmt: skip
+        layers = {"dense": layer_step(dense, rows, args.context)}
+        for name in kernels:
+            with with_kernel(name):
+                layers[name] = layer_step(cfg, rows, args.context)
+        layer_t = interleaved(layers, args.calls, args.rounds)
+        mlp_t = interleaved(mlp_calls(cfg, dense, rows, kernels), args.calls, args.rounds)
+        print(
+            f"rows {rows:3d}: dense layer {layer_t['dense'] * 1e3:7.3f} ms, MLP {mlp_t['dense'] * 1e3:7.3f} ms"
+        )
+        for name in kernels:
+            print(f"  MoE {name:8s} layer {layer_t[name] * 1e3:8.3f} ms, ratio {layer_t[name] / layer_t['dense']:6.2f};"
+                  f" MLP alone {mlp_t[name] * 1e3:8.3f} ms, ratio {mlp_t[name] / mlp_t['dense']:6.2f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

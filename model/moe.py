@@ -1,5 +1,6 @@
 """Mixture-of-experts MLP (Qwen3-MoE): a router picks `num_experts_per_tok` of `num_experts` SwiGLU experts per
-token, and the experts run as grouped matrix products from a library, never a loop over experts.
+token, and the experts run as grouped matrix products (a loop over row tiles on CPU, library kernels on GPU and
+TPU), never a Python loop over experts.
 
 Parameters per layer (the module layout, `llama.module_params`; matrices [out, in] as everywhere in the model):
   w_router [E, H]; we_gate_up [E, 2, I, H] (each expert's gate rows, then its up rows); we_down [E, H, I]
@@ -10,15 +11,18 @@ Routing (as transformers' Qwen3MoeTopKRouter): logits = h @ w_router.T, softmax 
 k, divided by their sum when `norm_topk_prob`, cast to the activations' dtype.
 
 Experts: the (token, expert) pairs are sorted by expert (stable), so each expert's rows are one contiguous group;
-the group sizes per expert drive one grouped product for gate/up and one for down; the rows are put back in pair
-order and each token sums its k results weighted by the router. The grouped product is `jax.lax.ragged_dot_general`
-on CPU and GPU, and the Pallas TPU kernel megablox `gmm` on TPU (`grouped_product`). XLA:CPU has no grouped kernel:
-jax lowers ragged_dot there to one product over every expert with the other experts' rows masked to zero, so a CPU
-step costs about all experts' weights, not the k used (bench/moe_layer.py measures it against a dense layer).
+the rows are put back in pair order and each token sums its k results weighted by the router. The kernel
+(`default_kernel`): on CPU "tiles" (`tiled_swiglu`): each expert's group padded to tiles of TILE_ROWS rows, a loop
+over the non-empty tiles only, each tile's gate/up product, activation and down product on its expert's matrices
+(a dynamic index into the stack); on GPU one `jax.lax.ragged_dot_general` for gate/up and one for down; on TPU the
+Pallas kernel megablox `gmm` (`grouped_product`). XLA:CPU has no grouped kernel for ragged_dot: jax lowers it
+there to one product over every expert with the other experts' rows masked, so it costs all experts' weights; the
+tiles kernel costs the chosen experts' (bench/moe_layer.py; docs/engine.md has the figures).
 
 Batch invariance: every operation is per row (a pair's product reads its own row and its expert's weights; the
-sort only moves rows), so a token's output does not depend on the other tokens of the batch; tested bit for bit
-in tests/model/test_qwen3_moe.py (one token alone and among 8 and 64).
+sort and the tiling only move rows; every tile is the same [R, in] x [in, out] product), so a token's output does
+not depend on the other tokens of the batch; tested bit for bit in tests/model/test_qwen3_moe.py (one token alone
+and among 8 and 64; with the tiles kernel at every position of a tile, R 2, 4 and 8).
 """
 
 from __future__ import annotations
@@ -36,9 +40,14 @@ _RAGGED_DIMS = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
+KERNELS = ("tiles", "ragged", "megablox")
+TILE_ROWS = 8  # the "tiles" kernel's rows per tile (2 or more: `tiled_swiglu`)
+
+
 def default_kernel() -> str:
-    """ "megablox" on TPU (jax's Pallas grouped matmul), "ragged" (`jax.lax.ragged_dot_general`) elsewhere."""
-    return "megablox" if jax.default_backend() == "tpu" else "ragged"
+    """ "megablox" on TPU (jax's Pallas grouped matmul), "tiles" on CPU (`tiled_swiglu`), "ragged"
+    (`jax.lax.ragged_dot_general`) elsewhere (GPU)."""
+    return {"tpu": "megablox", "cpu": "tiles"}.get(jax.default_backend(), "ragged")
 
 
 def route(h: jax.Array, w_router: Any, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -92,10 +101,69 @@ def grouped_product(
         y = jax.lax.ragged_dot_general(x, flat, sizes, _RAGGED_DIMS, precision=quant.precision(x.dtype),
                                        preferred_element_type=jnp.float32)  # fmt: skip
     else:
-        raise ValueError(f"MoE kernel must be 'ragged' or 'megablox', got {kernel!r}")
+        raise ValueError(f"grouped_product's kernel must be 'ragged' or 'megablox', got {kernel!r}")
     if scale is not None:
         y = y * scale
     return y.reshape(x.shape[0], *out).astype(x.dtype)
+
+
+def _expert_product(rows: jax.Array, w: Any, e: jax.Array) -> jax.Array:
+    """rows [R, in] times expert e's matrix of w [E, *out, in] (an array or a quantized matrix) -> fp32
+    [R, prod(out)]: one [R, in] x [in, out] product of the expert's [out, in] matrix, read by a dynamic index into
+    the stack (XLA copies that one expert's matrix, no other). Quantization as `grouped_product`: a per-channel
+    int8 matrix is multiplied in its integer values and its scales applied to the output rows; other quantized
+    matrices are dequantized (this expert's only)."""
+    one = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, e, keepdims=False), w)
+    n = one.shape[-1]
+    scale = None
+    if quant.is_quantized(one):
+        if one.kind == quant.W8A8:
+            raise ValueError("W8A8 experts are not supported (int8 weight-only experts are)")
+        if one.offset is None and one.scale.shape[-1] == 1:  # per output channel
+            scale = one.scale.reshape(-1)
+            one = one.values()
+        else:
+            one = one.dequantize(rows.dtype)
+    y = jnp.einsum("ri,oi->ro", rows, one.reshape(-1, n).astype(rows.dtype), precision=quant.precision(rows.dtype),
+                   preferred_element_type=jnp.float32)  # fmt: skip
+    return y if scale is None else y * scale
+
+
+def tiled_swiglu(x: jax.Array, token_of_row: jax.Array, expert_of_row: jax.Array, sizes: jax.Array,
+                 we_gate_up: Any, we_down: Any, tile_rows: int | None = None) -> jax.Array:  # fmt: skip
+    """The "tiles" kernel (XLA:CPU): the SwiGLU experts of the pairs sorted by expert (row i: token
+    `token_of_row[i]` of x [N, H] through expert `expert_of_row[i]`; `sizes` [E] rows per expert) -> [P, H] in
+    that order, computing only the experts that have rows.
+
+    Each expert's group of rows is padded with zero rows to a multiple of R = `tile_rows` (TILE_ROWS), so every
+    tile of R rows belongs to one expert; a loop with a dynamic trip count (the number of non-empty tiles, at most
+    the static ceil-bound (P + min(E, P) * (R - 1)) // R) runs each tile through its expert's gate/up product, the
+    activation and the down product (`_expert_product`), and the rows are read back in pair order. Every tile is
+    the same program on the same shapes ([R, H] x [H, 2I], [R, I] x [I, H]) whatever the batch, its neighbours or
+    its position, and a row of an [R, in] x [out, in].T product does not depend on the other rows (R >= 2:
+    XLA:CPU's dot computes a row identically for any row count from 2), so a token's output is its own."""
+    R = tile_rows or TILE_ROWS
+    P, H = token_of_row.shape[0], x.shape[-1]
+    E = sizes.shape[0]
+    tiles = (sizes + R - 1) // R  # per expert
+    tile_end = jnp.cumsum(tiles)
+    tile_start, group_start = tile_end - tiles, jnp.cumsum(sizes) - sizes
+    slot = tile_start[expert_of_row] * R + jnp.arange(P) - group_start[expert_of_row]  # row i's padded row
+    T = (P + min(E, P) * (R - 1)) // R  # sum over the used experts of ceil(size / R), at most
+    tile_expert = jnp.zeros((T,), jnp.int32).at[slot // R].set(expert_of_row.astype(jnp.int32))
+    src = jnp.full((T * R,), x.shape[0], jnp.int32).at[slot].set(token_of_row.astype(jnp.int32))
+    xp = jnp.concatenate([x, jnp.zeros((1, H), x.dtype)])[src]  # [T * R, H]; padding rows are zero
+
+    def tile(t: jax.Array, out: jax.Array) -> jax.Array:
+        e = tile_expert[t]
+        rows = jax.lax.dynamic_slice_in_dim(xp, t * R, R)
+        gate_up = _expert_product(rows, we_gate_up, e).astype(x.dtype).reshape(R, 2, -1)
+        act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
+        down = _expert_product(act, we_down, e).astype(x.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(out, down, t * R, 0)
+
+    out = jax.lax.fori_loop(0, tile_end[-1], tile, jnp.zeros((T * R, H), x.dtype))
+    return out[slot]
 
 
 def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, we_gate_up: Any, we_down: Any,
@@ -103,16 +171,21 @@ def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, we_gate_up
     """x [N, H]; weights, experts [N, k] (`route`) -> [N, H]: sum over j of weights[:, j] * SwiGLU expert
     experts[:, j] of x. `psum_axis`: inside shard_map over the intermediate axis, the down products' partial sums
     are added across it."""
+    if kernel not in KERNELS:
+        raise ValueError(f"MoE kernel must be one of {KERNELS}, got {kernel!r}")
     N, k = experts.shape
     E = we_down.shape[0]
     pairs = experts.reshape(N * k)  # pair p = token p // k, its j = p % k choice
     order = jnp.argsort(pairs, stable=True)
     sorted_experts = pairs[order]
     sizes = jnp.bincount(pairs, length=E).astype(jnp.int32)
-    xs = x[order // k]  # [N * k, H]
-    gate_up = grouped_product(xs, we_gate_up, sizes, sorted_experts, kernel)  # [N * k, 2, I]
-    act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
-    down = grouped_product(act, we_down, sizes, sorted_experts, kernel)  # [N * k, H]
+    if kernel == "tiles":
+        down = tiled_swiglu(x, order // k, sorted_experts, sizes, we_gate_up, we_down)  # [N * k, H]
+    else:
+        xs = x[order // k]  # [N * k, H]
+        gate_up = grouped_product(xs, we_gate_up, sizes, sorted_experts, kernel)  # [N * k, 2, I]
+        act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
+        down = grouped_product(act, we_down, sizes, sorted_experts, kernel)  # [N * k, H]
     if psum_axis is not None:
         down = jax.lax.psum(down, psum_axis)
     back = jnp.zeros_like(down).at[order].set(down).reshape(N, k, -1)  # pair order again

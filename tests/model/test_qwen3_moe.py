@@ -23,7 +23,7 @@ from tpuserve.model import checkpoint, moe
 from tpuserve.model.config import ModelLoadError
 from tpuserve.model.llama import init_cache, module_params
 from tpuserve.model.loader import convert, load_model
-from tpuserve.model.quant import is_quantized
+from tpuserve.model.quant import is_quantized, quantize_int8
 from tpuserve.model.sharding import make_mesh
 from tpuserve.sampler.api import SlotParams
 from tpuserve.sampler.engine import JaxEngine
@@ -307,21 +307,58 @@ def test_quantized_gguf_experts_are_kept_in_their_blocks(qwen3_moe, tmp_path):
     assert np.abs(log_softmax(ours) - log_softmax(reference_logits(model, IDS))).max() < 0.5
 
 
-def test_one_tokens_moe_output_is_bit_identical_alone_and_in_a_batch():
-    """The jitted MoE layer: a token's output alone, among 8 and among 64 (at another row), bit for bit."""
+@pytest.mark.parametrize("kernel", [None, "tiles", "ragged"])
+def test_one_tokens_moe_output_is_bit_identical_alone_and_in_a_batch(kernel):
+    """The jitted MoE layer (the backend's default kernel, and each CPU kernel): a token's output alone, among 8
+    and among 64 (at another row), bit for bit."""
     rng = np.random.default_rng(0)
     E, H, Ie = 8, 64, 32
     router = jnp.asarray(rng.normal(size=(E, H)), jnp.float32)
     gate_up = jnp.asarray(rng.normal(size=(E, 2, Ie, H)) * 0.1, jnp.float32)
     down = jnp.asarray(rng.normal(size=(E, H, Ie)) * 0.1, jnp.float32)
     x = jnp.asarray(rng.normal(size=(64, H)), jnp.float32)
-    layer = jax.jit(functools.partial(moe.moe_mlp, top_k=2, norm_topk_prob=True))
+    layer = jax.jit(functools.partial(moe.moe_mlp, top_k=2, norm_topk_prob=True, kernel=kernel))
     alone = np.asarray(layer(x[:1], router, gate_up, down))[0]
     for n in (8, 64):
         batch = jnp.roll(x[:n], 5, axis=0)  # the token at row 5
         np.testing.assert_array_equal(
             np.asarray(layer(batch, router, gate_up, down))[5], alone, err_msg=str(n)
         )
+
+
+def test_tiles_kernel_equals_ragged_dot_and_is_position_invariant():
+    """The "tiles" kernel (CPU) against `jax.lax.ragged_dot_general`, fp32 and int8 per-channel experts, 1 to 200
+    tokens (groups from empty to many tiles); and a token's output bit for bit the same at any row of any batch
+    (its pairs at every position of their tiles), for tiles of 2, 4 and 8 rows."""
+    rng = np.random.default_rng(4)
+    E, H, Ie, k = 8, 64, 32, 2
+    router = jnp.asarray(rng.normal(size=(E, H)), jnp.float32)
+    gate_up = jnp.asarray(rng.normal(size=(E, 2, Ie, H)) * 0.1, jnp.float32)
+    down = jnp.asarray(rng.normal(size=(E, H, Ie)) * 0.1, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(200, H)), jnp.float32)
+    int8 = (quantize_int8(gate_up), quantize_int8(down))  # per output channel: scales [E, *out, 1]
+    assert all(w.scale.shape[-1] == 1 for w in int8)
+
+    def layer(kernel):
+        return jax.jit(functools.partial(moe.moe_mlp, top_k=k, norm_topk_prob=True, kernel=kernel))
+
+    for rows in (2, 4, 8):
+        moe_rows, moe.TILE_ROWS = moe.TILE_ROWS, rows  # read when the layer is traced
+        try:
+            tiles, ragged = layer("tiles"), layer("ragged")
+            for gu, dn in ((gate_up, down), int8):
+                alone = np.asarray(tiles(x[:1], router, gu, dn))[0]
+                for n in (1, 2, 7, 64, 200):
+                    got = np.asarray(tiles(x[:n], router, gu, dn))
+                    want = np.asarray(ragged(x[:n], router, gu, dn))
+                    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6, err_msg=f"R {rows}, {n} tokens")
+                    for shift in sorted({0, 1, 3, n // 2} & set(range(1, n))):
+                        moved = np.asarray(tiles(jnp.roll(x[:n], shift, axis=0), router, gu, dn))[shift]
+                        np.testing.assert_array_equal(
+                            moved, alone, err_msg=f"R {rows}, {n} tokens, row {shift}"
+                        )
+        finally:
+            moe.TILE_ROWS = moe_rows
 
 
 def test_megablox_in_the_tpu_interpreter_equals_ragged_dot(qwen3_moe):
@@ -349,7 +386,7 @@ def test_megablox_in_the_tpu_interpreter_equals_ragged_dot(qwen3_moe):
 @pytest.mark.parametrize("qwen3_moe", ["norm-untied"], indirect=True)
 def test_tensor_parallel_on_a_2x2_mesh(qwen3_moe):
     """Experts split over the mesh's "model" axis (their intermediate axis, like a dense MLP's): the model's logits
-    within the tensor-parallel bound of one device's, the layer's both kernels (megablox in the TPU interpreter)
+    within the tensor-parallel bound of one device's, the layer's three kernels (megablox in the TPU interpreter)
     under shard_map, and the engine's greedy tokens equal."""
     assert len(jax.devices()) >= 4, "tests/conftest.py sets --xla_force_host_platform_device_count=4"
     _, hf_dir, _, model = qwen3_moe
@@ -372,7 +409,7 @@ def test_tensor_parallel_on_a_2x2_mesh(qwen3_moe):
     h = jnp.asarray(np.random.default_rng(3).normal(size=(6, cfg.hidden_size)), jnp.float32)
     args = (cfg.num_experts_per_tok, cfg.norm_topk_prob)
     want = np.asarray(moe.moe_mlp(h, p1["w_router"], p1["we_gate_up"], p1["we_down"], *args, kernel="ragged"))
-    for kernel in ("ragged", "megablox"):
+    for kernel in ("tiles", "ragged", "megablox"):
         with pltpu.force_tpu_interpret_mode():
             got = jax.jit(functools.partial(moe.moe_mlp, top_k=args[0], norm_topk_prob=args[1], mesh=mesh,
                                             kernel=kernel))(h, pm["w_router"], pm["we_gate_up"], pm["we_down"])  # fmt: skip
