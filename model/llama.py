@@ -381,6 +381,7 @@ class Llama(nnx.Module):
         write: jax.Array | None = None,
         decode_attention: str = "gather",
         mesh: Mesh | None = None,
+        query_rows: bool = False,
     ) -> tuple[jax.Array, KVCache]:
         """tokens, positions: [B, T] int32 (contiguous positions per row) for the cache's table rows 0..B-1 (the
         table may hold more rows: decode runs on the smallest batch bucket that covers the live slots).
@@ -396,7 +397,8 @@ class Llama(nnx.Module):
         "gather" (and every T > 1, and a model with a sliding window or a query scale other than 1/sqrt(D), which
         the kernel lacks) gathers pages. On the kernel path a row whose `write` is off attends to nothing (its
         hidden state is not the gather path's: decode discards such rows' outputs). `mesh` (static): the mesh the
-        pool is placed on, for the kernel.
+        pool is placed on, for the kernel. `query_rows` (static): T > 1 positions attend as B * T rows of one
+        position each, as a decode step's rows do (`gathered_attention`; EngineConfig.rescore_exact).
         """
         cfg = self.cfg
         B, T = tokens.shape
@@ -455,9 +457,26 @@ class Llama(nnx.Module):
             return pad_rows(linear(a[:live_rows], w), B)
 
         def gathered_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, li: Any) -> jax.Array:
-            """q [B, T, Hq, D] over the first attend_len positions gathered from the pool -> [B, T, Hq * D]."""
-            keys = gather_pages(k_cache, li, table[:B], attend_len)  # [B, Hkv, A, D]: the first B rows
-            vals = gather_pages(v_cache, li, table[:B], attend_len)
+            """q [B, T, Hq, D] over the first attend_len positions gathered from the pool -> [B, T, Hq * D].
+
+            Under `query_rows`, T > 1 positions attend as B * T rows of one position each, through the very
+            operations a decode step's rows take: XLA:CPU fuses and reduces a chunk's [B, Hkv, G, T, A] scores
+            differently from a decode step's [B, Hkv, G, 1, A] (logprobs up to ~4e-5 apart, with either score
+            formula on both), while a row of one position computes the same whatever the number of rows beside it.
+            Each row gathers its own keys and values: slower prefill, more so the longer the attended length."""
+            if query_rows and T > 1:
+                rows = jnp.repeat(table[:B], T, axis=0)  # [B * T, pages]: each position its row's pages
+                out = attend_rows(q.reshape(B * T, 1, Hq, D), k_cache, v_cache, li, rows,
+                                  layer_mask(li).reshape(B * T, 1, attend_len), decode_scores_by_reduce(1))  # fmt: skip
+                return out.reshape(B, T, Hq * D)
+            return attend_rows(q, k_cache, v_cache, li, table[:B], layer_mask(li), reduce_scores)
+
+        def attend_rows(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, li: Any, rows_table: jax.Array,
+                        mask: jax.Array, reduce_scores: bool) -> jax.Array:  # fmt: skip
+            """q [B, T, Hq, D] of the rows of rows_table [B, pages], mask [B, T, A] -> [B, T, Hq * D]."""
+            B, T = q.shape[:2]
+            keys = gather_pages(k_cache, li, rows_table, attend_len)  # [B, Hkv, A, D]
+            vals = gather_pages(v_cache, li, rows_table, attend_len)
             qg = q.reshape(B, T, Hkv, G, D)
             if reduce_scores:  # [B, Hkv, G, 1, D] x [B, Hkv, 1, A, D] summed over D -> [B, Hkv, G, T=1, A]
                 qk = qg[:, 0, :, :, None, :].astype(jnp.float32) * keys[:, :, None].astype(jnp.float32)
@@ -470,7 +489,7 @@ class Llama(nnx.Module):
                 scores = jnp.einsum("bkgtd,bkad->bkgta", qg.transpose(0, 2, 3, 1, 4), keys.astype(q.dtype),
                                     preferred_element_type=jnp.float32, precision=quant.precision(q.dtype))  # fmt: skip
             scores = scores * scale
-            scores = jnp.where(layer_mask(li)[:, None, None], scores, -jnp.inf)
+            scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
             probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
             if reduce_scores:  # T = 1 left out of the product: [B, Hkv, G, A] x [B, Hkv, A, D]
                 attn = jnp.einsum("bkga,bkad->bkgd", probs[:, :, :, 0], vals.astype(q.dtype),

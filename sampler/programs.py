@@ -8,6 +8,7 @@ A prompt's pages can be shared whatever split of it computed them: see buckets.S
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -54,6 +55,8 @@ class ProgramConfig:
     decode_attention: str = "gather"
     # the engine's mesh (jax.sharding.Mesh) or None: the kernel runs per device on the device's KV heads
     mesh: Any = None
+    # prompt chunks attend as decode rows do (EngineConfig.rescore_exact; decode then gathers on every backend)
+    rescore_exact: bool = False
 
 
 class StepOut(NamedTuple):
@@ -149,27 +152,50 @@ def is_done(ids, generated, s: SlotSampling, lengths, max_seq_len: int) -> jax.A
 
 
 def chunk_program(
-    m: Llama, pool: Pool, tokens: jax.Array, start, table: jax.Array, write_from, attend_len: int
+    m: Llama,
+    pool: Pool,
+    tokens: jax.Array,
+    start,
+    table: jax.Array,
+    write_from,
+    attend_len: int,
+    query_rows: bool = False,
 ):
     """Prompt positions start..start+size-1 (`start` traced) through the row's page table [pages]; they attend to
     everything written before them, over the first `attend_len` positions (static). -> (pool, hidden)."""
     pos = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
     h, cache = m(tokens[None], pos[None], KVCache(pool.k, pool.v, table[None]), attend_len,
-                 write=(pos >= write_from)[None])  # fmt: skip
+                 write=(pos >= write_from)[None], query_rows=query_rows)  # fmt: skip
     return Pool(cache.k, cache.v), h[0]
 
 
 def chunk_together_program(m: Llama, pool: Pool, tokens: jax.Array, last: jax.Array, tables: jax.Array,
-                           attend_len: int):  # fmt: skip
+                           attend_len: int, query_rows: bool = False):  # fmt: skip
     """Short prompts, one per row from position 0 (tokens [P, size]; last [P]: each one's last index; tables
     [P, pages]), in one program: their keys and values into their pages and each last token's logits [V]. A
     row's products give the same numbers whatever the number of rows (>= 2; llama.py), and each row's logits are
     its own one-row product as in `last_logits`, so a prompt's result is the one a `chunk` of its own makes."""
     P, size = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (P, size))
-    hidden, cache = m(tokens, pos, KVCache(pool.k, pool.v, tables), attend_len)
-    logits = tuple(m.logits(jax.lax.dynamic_index_in_dim(h, i, keepdims=False)) for h, i in zip(hidden, last))
-    return Pool(cache.k, cache.v), logits
+    hidden, cache = m(tokens, pos, KVCache(pool.k, pool.v, tables), attend_len, query_rows=query_rows)
+    rows = [jax.lax.dynamic_index_in_dim(h, i, keepdims=False) for h, i in zip(hidden, last)]
+    if query_rows:  # one product of P >= 2 rows, rounded as a decode step's and a chunk's logprobs are
+        return Pool(cache.k, cache.v), tuple(m.logits(jnp.stack(rows)))
+    return Pool(cache.k, cache.v), tuple(m.logits(h) for h in rows)
+
+
+EXACT_ROWS = 8  # XLA:CPU rounds products of one row, and the log-softmax of fewer than 8, otherwise
+
+
+def last_logits_program(m: Llama, hidden: jax.Array, index, exact: bool) -> jax.Array:
+    """The logits [V] of hidden [size, H] at `index`; `exact`: out of a product of up to EXACT_ROWS rows (those
+    ending at index), as decode and prompt logprobs compute them, not of that row alone."""
+    if not exact:
+        return m.logits(jax.lax.dynamic_index_in_dim(hidden, index, keepdims=False))
+    n = min(EXACT_ROWS, hidden.shape[0])
+    first = jnp.clip(index - (n - 1), 0, hidden.shape[0] - n)
+    logits = m.logits(jax.lax.dynamic_slice_in_dim(hidden, first, n))
+    return jax.lax.dynamic_index_in_dim(logits, index - first, keepdims=False)
 
 
 def chunk_logprobs_program(
@@ -199,8 +225,13 @@ def insert_program(state: DecodeState, last_logits, slot, prompt_len, one: SlotS
                    cfg: ProgramConfig):  # fmt: skip
     """Set `slot`'s parameters (its pages are in the host's page table) and sample its first token from
     `last_logits` (among the tokens `allowed` [W] lets through)."""
-    row = jax.tree.map(lambda a: jnp.asarray(a)[None], one)  # [1] parameters
-    out = step_outputs(last_logits[None], row, prompt_len[None], cfg, allowed[None])
+    # [1] parameters; under rescore_exact the row repeated EXACT_ROWS times, so its log-softmax is a decode row's
+    n = EXACT_ROWS if cfg.rescore_exact else 1
+    row = jax.tree.map(lambda a: jnp.repeat(jnp.asarray(a)[None], n, axis=0), one)
+    out = step_outputs(jnp.repeat(last_logits[None], n, axis=0), row, jnp.repeat(prompt_len[None], n), cfg,
+                       jnp.repeat(allowed[None], n, axis=0))  # fmt: skip
+    out = jax.tree.map(lambda a: a[:1], out)
+    row = jax.tree.map(lambda a: a[:1], row)
     done = is_done(out.ids, jnp.ones(1, jnp.int32), row, prompt_len[None], cfg.max_seq_len)
     state = state.replace(
         lengths=state.lengths.at[slot].set(prompt_len),
@@ -264,16 +295,23 @@ def decode_program(m: Llama, state: DecodeState, pool: Pool, table, paused, allo
 
 
 def build_programs(graphdef: Any, cfg: ProgramConfig) -> Programs:
+    if cfg.rescore_exact:  # the TPU kernel computes a decode step's attention otherwise than a chunk's rows
+        cfg = dataclasses.replace(cfg, decode_attention="gather")
+
     def model(params) -> Llama:
         return nnx.merge(graphdef, params)
 
     @functools.partial(jax.jit, static_argnames=("attend_len",), donate_argnums=(1,))
     def chunk(params, pool, tokens, start, table, write_from, attend_len: int):
-        return chunk_program(model(params), pool, tokens, start, table, write_from, attend_len)
+        return chunk_program(
+            model(params), pool, tokens, start, table, write_from, attend_len, cfg.rescore_exact
+        )
 
     @functools.partial(jax.jit, static_argnames=("attend_len",), donate_argnums=(1,))
     def chunk_together(params, pool, tokens, last, tables, attend_len: int):
-        return chunk_together_program(model(params), pool, tokens, last, tables, attend_len)
+        return chunk_together_program(
+            model(params), pool, tokens, last, tables, attend_len, cfg.rescore_exact
+        )
 
     @jax.jit
     def chunk_logprobs(params, hidden, targets):
@@ -281,7 +319,7 @@ def build_programs(graphdef: Any, cfg: ProgramConfig) -> Programs:
 
     @jax.jit
     def last_logits(params, hidden, index):
-        return model(params).logits(jax.lax.dynamic_index_in_dim(hidden, index, keepdims=False))
+        return last_logits_program(model(params), hidden, index, cfg.rescore_exact)
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def insert(state: DecodeState, last_logits, slot, prompt_len, one: SlotSampling, allowed):
