@@ -31,6 +31,7 @@ from tpuserve.grpc_service.settings import (
     ServerSettings,
     add_names_flags,
     add_quantization_flag,
+    add_rescore_flag,
 )
 from tpuserve.http_gateway.settings import GatewaySettings
 
@@ -83,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (or $TPUSERVE_API_KEY)")
     add_names_flags(p)
+    add_rescore_flag(p)
     p.add_argument("--weight-version", default=None, help="the version of the weights served at start")
     p.add_argument(
         "--metrics-port",
@@ -126,6 +128,8 @@ def _backend_argv(args: argparse.Namespace, server: ServerSettings) -> list[str]
         argv += ["--served-model-name", *args.served_model_name]
     if args.weight_version:
         argv += ["--weight-version", args.weight_version]
+    if args.rescore_exact:
+        argv += ["--rescore-exact"]
     return argv  # the admin key goes by the environment (main), not on a command line others can read
 
 

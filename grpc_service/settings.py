@@ -24,6 +24,7 @@ ENGINE_FLAGS = (
     "max_prompt_tokens",
     "max_queue_wait",
     "compilation_cache_dir",
+    "rescore_exact",
 )
 
 T = TypeVar("T")
@@ -148,6 +149,13 @@ def add_names_flags(p: argparse._ActionsContainer) -> None:
                    help=f"bearer key of the weight-update endpoints (default ${ADMIN_KEY_ENV}; unset: off)")  # fmt: skip
 
 
+def add_rescore_flag(p: argparse._ActionsContainer) -> None:
+    """--rescore-exact (engine.rescore_exact), here and on `tpuserve serve`."""
+    p.add_argument("--rescore-exact", action="store_true", default=None,
+                   help="sampled logprobs equal a re-score (echo) bit for bit, for RL; prefill is slower "
+                        "(docs/engine.md)")  # fmt: skip
+
+
 def parser(prog: str = "python -m tpuserve.grpc_service") -> argparse.ArgumentParser:
     """The backend's flags (`dest` = the field's name, None when not given): the server's and ENGINE_FLAGS."""
     p = argparse.ArgumentParser(prog=prog, description="Serve a model over gRPC (tpuserve.v1).")
@@ -216,6 +224,7 @@ def parser(prog: str = "python -m tpuserve.grpc_service") -> argparse.ArgumentPa
     )
     g = p.add_argument_group("weights and names (docs/weight-updates.md)")
     add_names_flags(g)
+    add_rescore_flag(g)
     g.add_argument("--weight-version", default=None,
                    help=f"the version of the weights served at start (default {DEFAULTS.weight_version})")  # fmt: skip
     g = p.add_argument_group(

@@ -154,8 +154,11 @@ def test_serve_hands_names_version_and_admin_key_on(tmp_path, monkeypatch):
     backend, gateway = plan(["--served-model-name", "policy", "policy-latest", "--weight-version", "step-0",
                              "--admin-key", "secret"])  # fmt: skip
     assert "secret" not in backend and gateway.admin_key == "secret"
-    server, _ = parse_args(backend[backend.index("grpc") + 1 :])
+    server, engine = parse_args(backend[backend.index("grpc") + 1 :])
     assert server.served_model_name == ("policy", "policy-latest") and server.weight_version == "step-0"
+    assert not engine.rescore_exact
+    cmd = plan(["--rescore-exact"])[0]
+    assert parse_args(cmd[cmd.index("grpc") + 1 :])[1].rescore_exact
     config = write_yaml(tmp_path, {"server": {"served_model_name": ["from-file"]}})
     server, _ = parse_args(["--config", config])
     assert server.served_model_name == ("from-file",) and server.admin_key is None
