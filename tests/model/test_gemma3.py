@@ -7,18 +7,17 @@ Orbax round trip, int8 weights, and a Gemma 3 chat template vs transformers' `ap
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 
 import gguf
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from tpuserve.model import checkpoint
 from tpuserve.model.config import config_from_hf
 from tpuserve.model.embedded import default_model_path
-from tpuserve.model.llama import init_cache
 from tpuserve.model.loader import convert, load_model
 from tpuserve.model.sharding import make_mesh
 from tpuserve.model.tokenizer import load_tokenizer
@@ -26,6 +25,8 @@ from tpuserve.sampler.api import SlotParams
 from tpuserve.sampler.engine import JaxEngine
 
 from tests.helpers import engine_config, require_extra, run_engine
+from tests.model import fidelity
+from tests.model.fidelity import BOUND, log_softmax, our_logits, reference_logits
 
 torch = require_extra("torch")
 transformers = require_extra("transformers")
@@ -54,7 +55,6 @@ VARIANTS = {
         "final_logit_softcapping": 2.0,
     },
 }  # fmt: skip
-BOUND = 1e-4  # fp32, |ours - transformers| over every logit / logprob
 TP_BOUND = 5e-5  # a 2x2 mesh vs one device (tests/sampler/test_sharding.py, docs/engine.md)
 IDS = [int(t) for t in np.random.default_rng(1).integers(0, BASE["vocab_size"], size=40)]
 
@@ -114,33 +114,7 @@ def write_gguf(model, path: pathlib.Path) -> None:
     w.close()
 
 
-def reference_logits(model, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
-
-
-def our_logits(loaded, ids: list[int], scan_layers: bool = True) -> np.ndarray:
-    m = loaded.module(scan_layers=scan_layers)
-    T = len(ids)
-    hidden, _ = m(jnp.asarray([ids]), jnp.arange(T)[None], init_cache(loaded.config, 1, T), T)
-    return np.asarray(m.logits(hidden[0]))
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    return np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
-
-
-def assert_matches(loaded, ref: np.ndarray, scan_layers: bool = True) -> float:
-    """Logits, logprobs and teacher-forced logprobs (each next token's given its prefix) within BOUND; the largest
-    |difference| of the three."""
-    ours = our_logits(loaded, IDS, scan_layers)
-    logit_diff = np.abs(ours - ref).max()
-    lp, ref_lp = log_softmax(ours)[:-1], log_softmax(ref)[:-1]
-    rows = np.arange(len(IDS) - 1)
-    forced_diff = np.abs(lp[rows, IDS[1:]] - ref_lp[rows, IDS[1:]]).max()
-    diffs = (logit_diff, np.abs(lp - ref_lp).max(), forced_diff)
-    assert max(diffs) < BOUND, diffs
-    return float(max(diffs))
+assert_matches = functools.partial(fidelity.assert_matches, ids=IDS)
 
 
 def altered(loaded, **changes):

@@ -7,13 +7,12 @@ trip, and Qwen3's chat template (its `enable_thinking` argument) vs transformers
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import pathlib
 
 import gguf
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from tpuserve.grpc_service.server import main as backend_main
@@ -21,7 +20,6 @@ from tpuserve.grpc_service.settings import ServerSettings
 from tpuserve.model import checkpoint
 from tpuserve.model.config import ModelLoadError
 from tpuserve.model.embedded import default_model_path
-from tpuserve.model.llama import init_cache
 from tpuserve.model.loader import convert, load_model
 from tpuserve.model.tokenizer import load_tokenizer
 from tpuserve.sampler.api import SlotParams
@@ -30,6 +28,8 @@ from tpuserve.sampler.engine import JaxEngine
 from tpuserve.sampler.generate_cli import main as generate_main
 
 from tests.helpers import engine_config, free_port, require_extra, run_engine
+from tests.model import fidelity
+from tests.model.fidelity import BOUND, log_softmax, our_logits, reference_logits
 
 torch = require_extra("torch")
 transformers = require_extra("transformers")
@@ -43,7 +43,6 @@ VARIANTS = {
     # attention_bias: transformers gives q, k, v and o their biases
     "tied-bias": {"tie_word_embeddings": True, "attention_bias": True},
 }
-BOUND = 1e-4  # fp32, |ours - transformers| over every logit / logprob
 IDS = [int(t) for t in np.random.default_rng(1).integers(0, BASE["vocab_size"], size=40)]
 
 
@@ -93,33 +92,7 @@ def write_gguf(model, path: pathlib.Path) -> None:
     w.close()
 
 
-def reference_logits(model, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
-
-
-def our_logits(loaded, ids: list[int], scan_layers: bool) -> np.ndarray:
-    m = loaded.module(scan_layers=scan_layers)
-    T = len(ids)
-    hidden, _ = m(jnp.asarray([ids]), jnp.arange(T)[None], init_cache(loaded.config, 1, T), T)
-    return np.asarray(m.logits(hidden[0]))
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    return np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
-
-
-def assert_matches(loaded, ref: np.ndarray, scan_layers: bool = True) -> float:
-    """Logits, logprobs and teacher-forced logprobs (each next token's given its prefix) within BOUND; the largest
-    |difference| of the three."""
-    ours = our_logits(loaded, IDS, scan_layers)
-    logit_diff = np.abs(ours - ref).max()
-    lp, ref_lp = log_softmax(ours)[:-1], log_softmax(ref)[:-1]
-    rows = np.arange(len(IDS) - 1)
-    forced_diff = np.abs(lp[rows, IDS[1:]] - ref_lp[rows, IDS[1:]]).max()
-    diffs = (logit_diff, np.abs(lp - ref_lp).max(), forced_diff)
-    assert max(diffs) < BOUND, diffs
-    return float(max(diffs))
+assert_matches = functools.partial(fidelity.assert_matches, ids=IDS)
 
 
 def test_safetensors_gguf_and_orbax_match_transformers(qwen3, tmp_path, capsys):

@@ -21,7 +21,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from tpuserve.model import checkpoint, moe
 from tpuserve.model.config import ModelLoadError
-from tpuserve.model.llama import init_cache, module_params
+from tpuserve.model.llama import module_params
 from tpuserve.model.loader import convert, load_model
 from tpuserve.model.quant import is_quantized, quantize_int8
 from tpuserve.model.sharding import make_mesh
@@ -29,6 +29,8 @@ from tpuserve.sampler.api import SlotParams
 from tpuserve.sampler.engine import JaxEngine
 
 from tests.helpers import engine_config, require_extra, run_engine
+from tests.model import fidelity
+from tests.model.fidelity import BOUND, log_softmax, our_logits, reference_logits
 
 torch = require_extra("torch")
 transformers = require_extra("transformers")
@@ -40,7 +42,6 @@ VARIANTS = {
     "norm-untied": {"norm_topk_prob": True, "tie_word_embeddings": False},
     "nonorm-tied": {"norm_topk_prob": False, "tie_word_embeddings": True},
 }
-BOUND = 1e-4  # fp32, |ours - transformers| over every logit / logprob
 TP_BOUND = 5e-5  # tensor parallelism's partial sums (tests/sampler/test_sharding.py)
 IDS = [int(t) for t in np.random.default_rng(1).integers(0, BASE["vocab_size"], size=40)]
 
@@ -133,33 +134,7 @@ def write_fused(model, hf_dir: pathlib.Path, out: pathlib.Path) -> None:
     save_file(tensors, str(out / "model.safetensors"))
 
 
-def reference_logits(model, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
-
-
-def our_logits(loaded, ids: list[int], scan_layers: bool = True, mesh=None) -> np.ndarray:
-    m = loaded.module(scan_layers=scan_layers, mesh=mesh)
-    T = len(ids)
-    hidden, _ = m(jnp.asarray([ids]), jnp.arange(T)[None], init_cache(loaded.config, 1, T), T)
-    return np.asarray(m.logits(hidden[0]))
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    return np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
-
-
-def assert_matches(
-    loaded, ref: np.ndarray, scan_layers: bool = True, bound: float = BOUND, mesh=None
-) -> float:
-    """Logits, logprobs and teacher-forced logprobs within `bound`; the largest |difference| of the three."""
-    ours = our_logits(loaded, IDS, scan_layers, mesh)
-    lp, ref_lp = log_softmax(ours)[:-1], log_softmax(ref)[:-1]
-    rows = np.arange(len(IDS) - 1)
-    diffs = (np.abs(ours - ref).max(), np.abs(lp - ref_lp).max(),
-             np.abs(lp[rows, IDS[1:]] - ref_lp[rows, IDS[1:]]).max())  # fmt: skip
-    assert max(diffs) < bound, diffs
-    return float(max(diffs))
+assert_matches = functools.partial(fidelity.assert_matches, ids=IDS)
 
 
 def test_safetensors_fused_gguf_and_orbax_match_transformers(qwen3_moe, tmp_path, capsys):
