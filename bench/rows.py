@@ -95,6 +95,17 @@ def _s(x: float) -> str:
 # ---- single stream ------------------------------------------------------------------------------------------
 
 
+def one_stream(side: Side, rep: int, n: int) -> tuple[float, int]:
+    """One streamed completion of `n` tokens on an idle server, request sent -> last token: (tok/s, tokens short
+    of n: an early EOS)."""
+    side.idle()
+    body = workload.completion(side.flavour, rep, n)
+    (r,) = _ok(clients.run(lambda: clients.sequential(side.server.base_url, [(COMPLETIONS, body)])), side)
+    if r.last_token is None:
+        raise RuntimeError(f"{side.name}: the stream carried no token")
+    return r.tokens / (r.last_token - r.sent), n - r.tokens
+
+
 def single(ctx: Context) -> list[Row]:
     n, reps = ctx.plan.single_tokens, ctx.plan.reps
     sides = [ctx.tpu] + ([ctx.llama] if ctx.llama else [])
@@ -102,16 +113,10 @@ def single(ctx: Context) -> list[Row]:
 
     def http(side: Side) -> Callable[[int], float]:
         def step(rep: int) -> float:
-            side.idle()
-            body = workload.completion(side.flavour, rep, n)
-            (r,) = _ok(
-                clients.run(lambda: clients.sequential(side.server.base_url, [(COMPLETIONS, body)])), side
-            )
-            if r.last_token is None:
-                raise RuntimeError(f"{side.name}: the stream carried no token")
+            tok_s, short = one_stream(side, rep, n)
             if side is ctx.tpu:
-                shorts.append(n - r.tokens)
-            return r.tokens / (r.last_token - r.sent)
+                shorts.append(short)
+            return tok_s
 
         return step
 

@@ -24,7 +24,18 @@ from typing import Any
 import yaml
 
 from bench import clients, servers, workload
-from bench.rows import CHAT, COMPLETIONS, Side, _batch, _ok, _short, _tok_s, alternate, log, median
+from bench.rows import (
+    CHAT,
+    COMPLETIONS,
+    Side,
+    _batch,
+    _short,
+    _tok_s,
+    alternate,
+    log,
+    median,
+    one_stream,
+)
 from bench.table import Row, Target, judged, not_run
 from bench.workload import Plan
 
@@ -73,15 +84,9 @@ def measure(sides: dict[str, Side | None], plan: Plan, raw: dict[str, Any]) -> l
 
     def one(side: Side) -> Callable[[int], float]:
         def step(rep: int) -> float:
-            side.idle()
-            body = workload.completion(side.flavour, rep, n)
-            (r,) = _ok(
-                clients.run(lambda: clients.sequential(side.server.base_url, [(COMPLETIONS, body)])), side
-            )
-            if r.last_token is None:
-                raise RuntimeError(f"{side.name}: the stream carried no token")
-            shorts[side.name].append(n - r.tokens)
-            return r.tokens / (r.last_token - r.sent)
+            tok_s, short = one_stream(side, rep, n)
+            shorts[side.name].append(short)
+            return tok_s
 
         return step
 
