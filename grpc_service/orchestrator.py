@@ -208,9 +208,7 @@ class Orchestrator:
         return True
 
     def _busy(self) -> bool:
-        return bool(
-            self._owner or self._waiting or self._prefilling or self._inflight or self._firsts or self._update
-        )
+        return not self._engine_empty() or bool(self._waiting or self._update)
 
     def _engine_empty(self) -> bool:
         """No sequence in the engine and no call in flight: weights can swap."""
