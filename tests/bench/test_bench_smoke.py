@@ -286,6 +286,9 @@ def test_ttft_streams_rows(pair, tmp_path, capsys):
         loads = [b for b in fake.bodies if b.get("max_tokens") == 64]  # the decoding streams: 1, then 4
         short = [b for b in fake.bodies if b.get("max_tokens") == 2]  # 4 probes and run.py's warm-ups
         assert len(loads) == 5 and len(short) >= 4
+        # before the first round, --quick's 8 short completions at once: every slot has served a request
+        warm = [i for i, b in enumerate(fake.bodies) if b.get("max_tokens") == 4]
+        assert len(warm) == 8 and max(warm) < fake.bodies.index(loads[0])
         texts = [b.get("prompt") or b["messages"][-1]["content"] for b in fake.bodies]
         assert len(set(texts)) == len(texts)  # every prompt new to its server
         assert fake.in_flight == 0  # every probe and load stream closed
