@@ -64,10 +64,15 @@ class Policy:
 
     def admits(self, job: GenerationJob, free_slots: int, engine: Engine) -> bool:
         """Whether the request at the head of the queue starts now: first come, first served, so it waits for
-        its n slots (a max_tokens = 0 request needs none) and the engine's room for its prompt (`Engine.admits`),
-        and those behind it wait too."""
+        its n slots (a max_tokens = 0 request needs none), the engine's room for its prompt (`Engine.admits`)
+        and any prefill in progress that computes the prompt's next uncached pages (`Engine.awaits_prefill`: it
+        then reads them from the prefix cache), and those behind it wait too."""
         samples = job.n if job.max_tokens > 0 else 0
-        return free_slots >= samples and engine.admits(len(job.prompt_ids), samples)
+        return (
+            free_slots >= samples
+            and engine.admits(len(job.prompt_ids), samples)
+            and not engine.awaits_prefill(job.prompt_ids, job.prompt_logprobs, job.cache_salt)
+        )
 
     def prefill_order(self, prefilling: Iterable[Run], chunk: int) -> list[Run]:
         """The prefill queue in the order its prompts are computed: prompts of one chunk not started yet go

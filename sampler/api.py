@@ -4,7 +4,7 @@ with hand-computable outputs can stand in for the real one in service tests (Jet
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -199,6 +199,13 @@ class Engine(abc.ABC):
     def page_stats(self) -> PageStats | None:
         """None when the engine does not page its KV cache. Read from any thread (a snapshot)."""
         return None
+
+    def awaits_prefill(
+        self, tokens: Sequence[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None
+    ) -> bool:
+        """Whether this prompt would find more of itself in the prefix cache by waiting for a prefill in progress
+        (the scheduler then starts it after that prefill, not beside it)."""
+        return False
 
     def admits(self, prompt_len: int, samples: int) -> bool:
         """Whether a request of `samples` samples and a prompt within `max_prompt_len` may start its prefill now

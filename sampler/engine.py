@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import os
 import weakref
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -263,6 +263,7 @@ class JaxEngine(Engine):
     def _prefill_chunks(self, tokens, row: list[int], hits, keys, want: bool):
         n, page, p, pages = len(tokens), self.page, self.programs, self.pages
         done = False
+        pages.computing(keys[len(hits) :], want)
         try:
             yield None  # the start (`prefill_steps`)
             table = np.zeros(self.max_pages, np.int32)
@@ -301,6 +302,7 @@ class JaxEngine(Engine):
             done = True
             yield prefix
         finally:
+            pages.computed(keys[len(hits) :], want)
             if not done:  # closed early or failed: nobody will read these pages
                 pages.let_go(row)
 
@@ -378,6 +380,18 @@ class JaxEngine(Engine):
 
     def page_stats(self) -> PageStats:
         return self.pages.stats()
+
+    def awaits_prefill(
+        self, tokens: Sequence[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None
+    ) -> bool:
+        """Whether a prefill in progress is computing this prompt's next uncached pages (`Pages.awaits`): several
+        prompts of one context arriving together (an eval harness's continuations) then compute it once."""
+        n = len(tokens)
+        if not self.pages.prefix_cache or n <= self.shapes.small_prompt:
+            return False
+        # the pages `prefill_steps` looks up
+        keys = self.pages.keys(tokens, cache_salt)[: (n - 1) // self.page]
+        return self.pages.awaits(keys, want_prompt_logprobs)
 
     def admits(self, prompt_len: int, samples: int) -> bool:
         """Room for the prompt's pages and each sample's own last page, with a page to spare for each running

@@ -17,7 +17,7 @@ import collections
 import logging
 import pickle
 import weakref
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -63,7 +63,7 @@ COMPOSED: dict[str, tuple[str, ...]] = {
 }
 LEADER_ONLY = frozenset({
     "prompt_logprobs", "cached_tokens", "prefix_cache_stats", "next_call_steps", "prefill_cost", "mask_words",
-    "page_stats", "admits", "max_prompt_len",
+    "page_stats", "admits", "awaits_prefill", "max_prompt_len",
     "set_fault_handler",
     # a trainer's arrays are in the leader's process only: LeaderEngine refuses them (update from a path)
     "weights_from_arrays",
@@ -191,6 +191,11 @@ class LeaderEngine(Engine):
 
     def admits(self, prompt_len: int, samples: int) -> bool:
         return self.inner.admits(prompt_len, samples)
+
+    def awaits_prefill(
+        self, tokens: Sequence[int], want_prompt_logprobs: bool = False, cache_salt: str | None = None
+    ) -> bool:
+        return self.inner.awaits_prefill(tokens, want_prompt_logprobs, cache_salt)
 
     @property
     def max_prompt_len(self) -> int:

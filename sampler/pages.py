@@ -79,6 +79,10 @@ class Pages:
         self._idle: collections.OrderedDict[int, None] = (
             collections.OrderedDict()
         )  # cached, unheld: oldest first
+        # names of the pages prefills in progress will register (a name per prefill that computes it), and those
+        # registered with their prompt logprobs: a prompt that needs them waits for that prefill (`awaits`)
+        self._computing: collections.Counter[bytes] = collections.Counter()
+        self._computing_logprobs: collections.Counter[bytes] = collections.Counter()
         self.lookup_tokens = 0
         self.hit_tokens = 0
         self.evictions = 0
@@ -148,6 +152,29 @@ class Pages:
         self.lookup_tokens += prompt_len
         self.hit_tokens += len(found) * self.page
         return found
+
+    def computing(self, keys: Sequence[bytes], logprobs: bool) -> None:
+        """A prefill started that will name these pages (with their prompt logprobs when `logprobs`)."""
+        self._computing.update(keys)
+        if logprobs:
+            self._computing_logprobs.update(keys)
+
+    def computed(self, keys: Sequence[bytes], logprobs: bool) -> None:
+        """That prefill ended: named them, or failed or was cancelled."""
+        self._computing -= collections.Counter(keys)
+        if logprobs:
+            self._computing_logprobs -= collections.Counter(keys)
+
+    def awaits(self, keys: Sequence[bytes], logprobs: bool) -> bool:
+        """Whether the first of a prompt's leading pages that `lookup` would not find now is one a prefill in
+        progress will name (with prompt logprobs when `logprobs`): the prompt would then find it by waiting for
+        that prefill instead of computing it again."""
+        computing = self._computing_logprobs if logprobs else self._computing
+        for key in keys:
+            cached = self._cached.get(key)
+            if cached is None or (logprobs and cached.logprobs is None):
+                return key in computing
+        return False
 
     def register(self, key: bytes, page: int, logprobs: PageLogprobs | None) -> None:
         """Name a held, fully computed prompt page; a name already taken keeps its page (this one stays private),
