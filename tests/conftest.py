@@ -35,6 +35,7 @@ ENGINE = dataclasses.replace(EngineConfig(), max_seq_len=256, min_prefill_bucket
 REAL_MODEL_FIXTURES = {
     "embedded",
     "embedded_dense",  # tests/model/test_quant.py: the embedded model dequantized at load
+    "embedded_orbax",
     "engine",
     "together_engine",
     "hf_reference",
@@ -80,6 +81,18 @@ def embedded():
     from tpuserve.model.loader import load_model
 
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def embedded_orbax(tmp_path_factory) -> pathlib.Path:
+    """The embedded model as an Orbax checkpoint (fp32, with its tokenizer), written once by `tpuserve convert
+    embedded DIR` for the tests that restore one (sharding, weight updates, multihost). Read-only: a test that
+    changes a checkpoint writes its own."""
+    from tpuserve.cli.main import main as cli_main
+
+    out = tmp_path_factory.mktemp("orbax") / "smollm2"
+    assert cli_main(["convert", "embedded", str(out)]) == 0
+    return out
 
 
 @pytest.fixture(scope="session")

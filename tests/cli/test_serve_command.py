@@ -38,7 +38,7 @@ def test_serve_starts_backend_and_gateway_and_stops_both_on_sigterm():
                 status = None
             if status == 200:
                 break
-            time.sleep(2)
+            time.sleep(0.25)
         assert status == 200, "serve did not become healthy"
         r = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
             "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi!"}],

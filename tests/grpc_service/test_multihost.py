@@ -19,7 +19,6 @@ import httpx
 import numpy as np
 import pytest
 import yaml
-from tpuserve.cli.main import main as cli_main
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 from tpuserve.proto.tpuserve.v1 import tpuserve_pb2_grpc as pb_grpc
 
@@ -52,8 +51,15 @@ class Group:
     """`tpuserve serve` (process 0 of `processes`) on `devices` CPU devices per process, plus the followers."""
 
     def __init__(
-        self, tmp_path, processes: int, devices: int, peer_timeout: float = 30.0, model: str | None = None
+        self,
+        tmp_path,
+        processes: int,
+        devices: int,
+        peer_timeout: float = 30.0,
+        model: str | None = None,
+        wait: bool = True,
     ) -> None:
+        """Starts the processes and, with `wait`, waits until the leader serves (else call `serving()`)."""
         self.port, self.grpc_port, coord = free_port(), free_port(), f"127.0.0.1:{free_port()}"
         server = (
             {
@@ -111,6 +117,12 @@ class Group:
             env,
         )
         self.base = f"http://127.0.0.1:{self.port}"
+        if wait:
+            self.serving()
+
+    def serving(self) -> None:
+        """Waits until the leader's /health answers 200 (a process that exits or 600 s without it: the test
+        fails), then reads the served model's name."""
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if any(p.poll() is not None for p in self.processes):
@@ -121,7 +133,7 @@ class Group:
                     break
             except httpx.HTTPError:
                 pass
-            time.sleep(1)
+            time.sleep(0.25)
         else:
             self.stop()
             pytest.fail(f"not serving within 600 s:\n{self.log_tail()}")
@@ -181,11 +193,10 @@ class Group:
                 p.wait(10)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The one-process server on 4 devices: each prompt's greedy completion with top-5 logprobs."""
-    group = Group(tmp_path_factory.mktemp("one"), processes=1, devices=4)
+def reference(group: Group) -> list[dict]:
+    """The one-process server on 4 devices: each prompt's greedy completion with top-5 logprobs; then stopped."""
     try:
+        group.serving()
         return [group.complete(p) for p in PROMPTS]
     finally:
         group.leader.send_signal(signal.SIGTERM)
@@ -193,20 +204,24 @@ def reference(tmp_path_factory):
         group.stop()
 
 
-def test_two_processes_serve_like_one_and_stop_together_on_sigterm(tmp_path, reference):
-    """From an Orbax checkpoint (`tpuserve convert`), which each process restores with the target sharding: only
-    its own shards. The reference reads the GGUF's blocks, which dequantize bit-identically (test_quant.py)."""
-    orbax = tmp_path / "orbax"
-    assert cli_main(["convert", "embedded", str(orbax)]) == 0
-    group = Group(tmp_path, processes=2, devices=2, model=str(orbax))
+def test_two_processes_serve_like_one_and_stop_together_on_sigterm(tmp_path, request):
+    """From an Orbax checkpoint (`tpuserve convert`, tests/conftest.py), which each process restores with the target
+    sharding: only its own shards. The reference reads the GGUF's blocks, which dequantize bit-identically
+    (test_quant.py). The reference server starts first and answers while the checkpoint is written (unless an
+    earlier test wrote it) and the group starts (the suite's time); the group is asked once the reference stopped."""
+    one = Group(tmp_path, processes=1, devices=4, wait=False)
+    group = None
     try:
+        orbax = request.getfixturevalue("embedded_orbax")
+        group = Group(tmp_path, processes=2, devices=2, model=str(orbax), wait=False)
+        expected = reference(one)
+        group.serving()
         with grpc.insecure_channel(f"127.0.0.1:{group.grpc_port}") as channel:
             info = pb_grpc.TextGenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
         assert info.num_processes == 2 and list(info.mesh_shape) == [1, 4], info
         worst = 0.0
-        first = group.complete(PROMPTS[0])
-        for prompt, ref in zip(PROMPTS, reference):
-            got = group.complete(prompt)
+        answers = [group.complete(prompt) for prompt in PROMPTS]
+        for prompt, got, ref in zip(PROMPTS, answers, expected, strict=True):
             assert got["tokens"] == ref["tokens"], (prompt, got["tokens"], ref["tokens"])
             worst = max(worst, float(np.abs(np.subtract(got["token_logprobs"], ref["token_logprobs"])).max()))
             for a, b in zip(got["top_logprobs"], ref["top_logprobs"]):
@@ -220,7 +235,7 @@ def test_two_processes_serve_like_one_and_stop_together_on_sigterm(tmp_path, ref
                        headers={"authorization": f"Bearer {ADMIN_KEY}"},
                        json={"model_path": str(orbax), "weight_version": "v2"})  # fmt: skip
         assert r.status_code == 200 and r.json()["weight_version"] == "v2", r.text
-        assert group.complete(PROMPTS[0]) == first
+        assert group.complete(PROMPTS[0]) == answers[0]
         for name, lines in group.logs.items():
             assert any("weights swapped: serving version 'v2'" in line for line in lines), (
                 name,
@@ -241,7 +256,9 @@ def test_two_processes_serve_like_one_and_stop_together_on_sigterm(tmp_path, ref
         assert done[0].json()["usage"]["completion_tokens"] == 16
         assert group.wait(90) == [0, 0], group.log_tail()
     finally:
-        group.stop()
+        one.stop()
+        if group is not None:
+            group.stop()
 
 
 @pytest.mark.parametrize("fault", ["killed", "stopped"])

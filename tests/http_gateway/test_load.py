@@ -1,4 +1,4 @@
-"""Load test: 64 streaming clients for 30 s against a `tpuserve gateway` process in front of the real backend
+"""Load test: 64 streaming clients for 15 s against a `tpuserve gateway` process in front of the real backend
 (the embedded model on the shared 64-slot engine, over loopback gRPC). Zero errors, and every request's text
 complete: each client sends greedy requests (chat and completions, half of them with logprobs) whose streamed
 text, finish reason and token count must equal those of the same request sent alone, non-streamed, before the
@@ -19,7 +19,7 @@ from test_faults import start_gateway_process
 from tests.helpers import free_port, wait_until
 
 CLIENTS = 64
-SECONDS = 30.0
+SECONDS = 15.0  # 64 clients at once from the first second: ~150 requests on the 2-core dev machine
 MAX_TOKENS = 12
 PROMPTS = [
     "The capital of France is",
@@ -100,7 +100,7 @@ def gateway_url(real_backend):
     assert proc.wait(30) == 0
 
 
-def test_64_streaming_clients_for_30_s_no_errors_and_every_text_complete(real_backend, gateway_url):
+def test_64_streaming_clients_for_15_s_no_errors_and_every_text_complete(real_backend, gateway_url):
     model = real_backend.server.servicer.model_id
     orch = real_backend.orchestrator
 
@@ -133,7 +133,7 @@ def test_64_streaming_clients_for_30_s_no_errors_and_every_text_complete(real_ba
         f"load: {CLIENTS} clients x {SECONDS:.0f} s: {len(done)} requests, {tokens} tokens, {len(errors)} errors"
     )
     assert not errors, f"{len(errors)} errors, e.g. {errors[:3]}"
-    # not vacuous: every client finished about one request at least (320 on the 2-core dev machine)
+    # not vacuous: every client finished one request at least (~150 on the 2-core dev machine)
     assert len(done) >= CLIENTS, f"only {len(done)} requests finished in {SECONDS:.0f} s"
     wrong = [(kind, got) for kind, got in done if got != expected[kind[:2]]]
     assert not wrong, f"{len(wrong)} of {len(done)} differ from the idle reference, e.g. {wrong[:2]}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -64,11 +65,21 @@ def test_warm_cache_corrupt_cache_changed_config_and_unwritable_dir(tmp_path: pa
     assert unusable["tokens"] == cold["tokens"] and unusable["hits"] == 0
     entries = list(cache.iterdir())
     assert len(entries) > 5 and cold["hits"] == 0
-    warm, _ = _start(str(cache))
+    # a copy of the cold start's cache with every entry corrupt, for a start with another max_seq_len: the programs
+    # it shares with the first config are unreadable, the others new; same tokens. It runs alongside the warm start
+    # on the intact cache (each its own process and directory: the suite's time)
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(cache, corrupt)
+    for entry in corrupt.iterdir():
+        if entry.is_file():
+            entry.write_bytes(b"not a compiled program")
+    warm_run = _launch(str(cache))
+    try:
+        longer, _ = _start(str(corrupt), max_seq_len=128)
+    except BaseException:
+        warm_run.kill()
+        raise
+    warm, _ = _result(warm_run)
     assert warm["tokens"] == cold["tokens"]
     assert warm["hits"] >= 5  # every warm-up program loaded from the cache
-    for entry in cache.iterdir():  # corrupt every entry, then start with another max_seq_len: the programs it
-        if entry.is_file():  # shares with the first config are unreadable, the others new; same tokens
-            entry.write_bytes(b"not a compiled program")
-    longer, _ = _start(str(cache), max_seq_len=128)
     assert longer["tokens"] == cold["tokens"] and longer["hits"] == 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from tpuserve.model.convert_cli import main as convert_main
 from tpuserve.model.loader import load_model
 from tpuserve.model.quant import is_quantized
 from tpuserve.model.sharding import make_mesh, param_shardings
@@ -19,10 +18,9 @@ from tests.sampler.test_engine import PROMPTS
 
 
 @pytest.fixture(scope="module")
-def orbax_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("orbax") / "smollm2"
-    assert convert_main(["embedded", str(out)]) == 0
-    return out
+def orbax_dir(embedded_orbax):
+    """`tpuserve convert embedded DIR`'s checkpoint (tests/conftest.py: written once a session)."""
+    return embedded_orbax
 
 
 def test_convert_writes_a_loadable_checkpoint(orbax_dir, embedded, capsys):
