@@ -6,11 +6,6 @@ after the other: each probe is a streamed completion of a new ~20-token prompt w
 text and then closes the stream (as eval harnesses and impatient users do); the next probe follows at once, so
 it also meets whatever the server still does for the one that left. The row's figure is the median probe TTFT
 (request sent -> first text) over every round; target <= 2x llama-server's.
-
-Before the first round each server answers `many_streams` short completions at once, so every slot has served
-a request: llama-server's first request on a slot it has not used yet takes ~2x its usual time (measured: 79-82
-ms probes on a fresh server, 33-39 ms once its slots had served the `single` and `many` rows), and the row is
-about a server in use, whichever groups ran before it.
 """
 
 from __future__ import annotations
@@ -19,7 +14,7 @@ import asyncio
 from collections.abc import Callable
 
 from bench import clients, workload
-from bench.rows import COMPLETIONS, TTFT_PARTS, Context, Side, _batch, _s, _ttft_parts, alternate, log, median
+from bench.rows import COMPLETIONS, TTFT_PARTS, Context, Side, _s, _ttft_parts, alternate, log, median
 from bench.table import Row, Target, judged, not_run
 
 
@@ -28,8 +23,6 @@ def ttft_streams(ctx: Context) -> list[Row]:
     sides = [ctx.tpu] + ([ctx.llama] if ctx.llama else [])
     out: list[Row] = []
     ctx.raw["ttft_streams"] = {}
-    for side in sides:
-        _batch(side, workload.completions(side.flavour, p.many_streams, 4, first=90))
     for streams in p.streams_counts:
         parts: dict[str, list] = {side.name: [] for side in sides}
 

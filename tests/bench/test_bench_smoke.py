@@ -286,13 +286,21 @@ def test_ttft_streams_rows(pair, tmp_path, capsys):
         loads = [b for b in fake.bodies if b.get("max_tokens") == 64]  # the decoding streams: 1, then 4
         short = [b for b in fake.bodies if b.get("max_tokens") == 2]  # 4 probes and run.py's warm-ups
         assert len(loads) == 5 and len(short) >= 4
-        # before the first round, --quick's 8 short completions at once: every slot has served a request
-        warm = [i for i, b in enumerate(fake.bodies) if b.get("max_tokens") == 4]
-        assert len(warm) == 8 and max(warm) < fake.bodies.index(loads[0])
         texts = [b.get("prompt") or b["messages"][-1]["content"] for b in fake.bodies]
         assert len(set(texts)) == len(texts)  # every prompt new to its server
         assert fake.in_flight == 0  # every probe and load stream closed
     assert "| TTFT of a request arriving while 4 streams decode" in capsys.readouterr().out
+
+
+def test_prompt_numbers_stay_four_digits_from_any_start(monkeypatch):
+    """Each run numbers its prompts from a random start (a second run against the same llama-server must not
+    repeat the first's prompts: its prompt cache would answer them), wrapping within 1000-9999."""
+    from bench import workload
+
+    monkeypatch.setattr(workload, "_numbers", {})
+    monkeypatch.setattr(workload, "_FIRST", 8998)
+    got = [workload.unique("x", "t") for _ in range(3)]
+    assert got == ["9998. t", "9999. t", "1000. t"] and workload.unique("y", "t") == "9998. t"
 
 
 def test_servers_are_stopped_on_exit(tmp_path):
