@@ -247,8 +247,7 @@ class JaxEngine(Engine):
         n, page, pages = len(tokens), self.page, self.pages
         if not 0 < n <= self.max_prompt_len:
             raise ValueError(f"prompt of {n} tokens: must be 1..{self.max_prompt_len}")
-        shared = n > self.shapes.small_prompt
-        keys = pages.keys(tokens, cache_salt) if shared else []
+        keys = self._page_keys(tokens, cache_salt)
         hits = pages.lookup(keys[: (n - 1) // page], n, want_prompt_logprobs) if pages.prefix_cache else []
         own = pages.allocate(-(-n // page) - len(hits))
         if own is None:
@@ -386,12 +385,16 @@ class JaxEngine(Engine):
     ) -> bool:
         """Whether a prefill in progress is computing this prompt's next uncached pages (`Pages.awaits`): several
         prompts of one context arriving together (an eval harness's continuations) then compute it once."""
-        n = len(tokens)
-        if not self.pages.prefix_cache or n <= self.shapes.small_prompt:
+        if not self.pages.in_progress():  # the common case: no prompt hashed twice on the way in
             return False
         # the pages `prefill_steps` looks up
-        keys = self.pages.keys(tokens, cache_salt)[: (n - 1) // self.page]
+        keys = self._page_keys(tokens, cache_salt)[: (len(tokens) - 1) // self.page]
         return self.pages.awaits(keys, want_prompt_logprobs)
+
+    def _page_keys(self, tokens: Sequence[int], cache_salt: str | None) -> list[bytes]:
+        """The names of the prompt's full pages; none for a prompt too short to share (`small_prompt`), or with the
+        prefix cache off."""
+        return self.pages.keys(tokens, cache_salt) if len(tokens) > self.shapes.small_prompt else []
 
     def admits(self, prompt_len: int, samples: int) -> bool:
         """Room for the prompt's pages and each sample's own last page, with a page to spare for each running

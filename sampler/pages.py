@@ -144,14 +144,24 @@ class Pages:
         caller; counts the prompt's tokens as looked up and the run's as hits."""
         found = []
         for key in keys:
-            cached = self._cached.get(key)
-            if cached is None or (logprobs and cached.logprobs is None):
+            cached = self._found(key, logprobs)
+            if cached is None:
                 break
             found.append(cached)
         self.hold([c.id for c in found])
         self.lookup_tokens += prompt_len
         self.hit_tokens += len(found) * self.page
         return found
+
+    def _found(self, key: bytes, logprobs: bool) -> CachedPage | None:
+        """The cached page of this name, if it serves a request (one that wants prompt logprobs needs its
+        logprobs: a page without them is a miss)."""
+        cached = self._cached.get(key)
+        return None if cached is None or (logprobs and cached.logprobs is None) else cached
+
+    def in_progress(self) -> bool:
+        """Whether any prefill in progress will name pages."""
+        return bool(self._computing)
 
     def computing(self, keys: Sequence[bytes], logprobs: bool) -> None:
         """A prefill started that will name these pages (with their prompt logprobs when `logprobs`)."""
@@ -170,11 +180,8 @@ class Pages:
         progress will name (with prompt logprobs when `logprobs`): the prompt would then find it by waiting for
         that prefill instead of computing it again."""
         computing = self._computing_logprobs if logprobs else self._computing
-        for key in keys:
-            cached = self._cached.get(key)
-            if cached is None or (logprobs and cached.logprobs is None):
-                return key in computing
-        return False
+        missed = next((key for key in keys if self._found(key, logprobs) is None), None)
+        return missed is not None and missed in computing
 
     def register(self, key: bytes, page: int, logprobs: PageLogprobs | None) -> None:
         """Name a held, fully computed prompt page; a name already taken keeps its page (this one stays private),
