@@ -305,13 +305,6 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
-def pad_rows(y: jax.Array, rows: int) -> jax.Array:
-    """y [n, ...] followed by zero rows up to `rows`: the rows a product skipped (`live_rows`) read as zeros."""
-    if rows <= y.shape[0]:
-        return y
-    return jnp.concatenate([y, jnp.zeros((rows - y.shape[0], *y.shape[1:]), y.dtype)])
-
-
 def decode_scores_by_reduce(T: int) -> bool:
     """Whether attention computes a decode step's scores (T = 1 query per row) as a multiply and a sum over the
     head dimension instead of a batched dot, and leaves T out of the product with the values: on XLA:CPU only,
@@ -452,9 +445,7 @@ class Llama(nnx.Module):
             lengths = jnp.where(write[:, 0], lengths, 0)
 
         def product(a: jax.Array, w: Any) -> jax.Array:
-            if live_rows is None or live_rows >= B:
-                return linear(a, w)
-            return pad_rows(linear(a[:live_rows], w), B)
+            return linear(a, w, rows=live_rows)
 
         def gathered_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, li: Any) -> jax.Array:
             """q [B, T, Hq, D] over the first attend_len positions gathered from the pool -> [B, T, Hq * D].
@@ -549,10 +540,11 @@ class Llama(nnx.Module):
         x = norm(x, self.final_norm[...], cfg.rms_norm_eps)
         return x, KVCache(k_cache, v_cache, table)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden: [..., H] -> fp32 logits [..., V]."""
+    def logits(self, hidden: jax.Array, live_rows: int | None = None) -> jax.Array:
+        """hidden: [..., H] -> fp32 logits [..., V]; under `live_rows` (static) only hidden[:live_rows] matters, the
+        other rows' logits are zeros (quant.linear's `rows`)."""
         w = (self.embed if self.cfg.tie_word_embeddings else self.lm_head).get_value()
-        logits = linear(hidden, w, out_dtype=jnp.float32)
+        logits = linear(hidden, w, out_dtype=jnp.float32, rows=live_rows)
         if cap := self.cfg.final_logit_softcapping:  # Gemma: tanh soft-capping
             logits = cap * jnp.tanh(logits / cap)
         return logits

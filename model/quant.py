@@ -168,7 +168,7 @@ def precision(dtype: Any) -> jax.lax.Precision | None:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def linear(x: jax.Array, w: Any, out_dtype: Any = None) -> jax.Array:
+def linear(x: jax.Array, w: Any, out_dtype: Any = None, rows: int | None = None) -> jax.Array:
     """x: [..., in], w: [*out, in] (array or QuantizedMatrix) -> [..., *out] in out_dtype (default x's): one
     [out, in] product with fp32 accumulation, whatever the rank of `out`. A quantized matrix is dequantized inside
     the program, next to its product (on CPU, in row chunks that stay in the cache: CPU_CHUNK_BYTES); with one
@@ -176,28 +176,57 @@ def linear(x: jax.Array, w: Any, out_dtype: Any = None) -> jax.Array:
     in integers (`integer_product`).
 
     The product is `x @ w.T` with w [out, in]: XLA:CPU's dot computes a row of it with the same arithmetic
-    whatever the number of rows (2 or more; tests/sampler/test_batch_invariance.py)."""
-    out, n = w.shape[:-1], w.shape[-1]
-    rows = math.prod(out)
-    if not is_quantized(w):
-        y = jnp.einsum("...i,oi->...o", x, w.reshape(rows, n), preferred_element_type=jnp.float32,
-                       precision=precision(x.dtype))  # fmt: skip
-    elif w.kind == W8A8:
-        y = integer_product(x, reshape_out(w, rows))
-    else:
-        flat = reshape_out(w, rows)
-        chunk = _chunk_rows(rows, n) if jax.default_backend() == "cpu" else rows
-        if chunk == rows:
-            y = _quantized_product(x, flat)
-        else:
-            parts = flat.map(lambda a: a.reshape(rows // chunk, chunk, a.shape[-1]))
-            y = jax.lax.map(lambda part: _quantized_product(x, part), parts)  # [chunks, ..., chunk]
-            y = jnp.moveaxis(y, 0, -2).reshape(*x.shape[:-1], rows)
+    whatever the number of rows (2 or more; tests/sampler/test_batch_invariance.py).
+
+    `rows` (static): only x[:rows] (leading axis) matters; the product runs on those rows and the others read as
+    zeros. The scales (int8's per channel, W8A8's per row and channel) multiply after that padding, on every row, so
+    the program around the product is the same whatever `rows` is: XLA:CPU contracts a multiply and the add that
+    follows it in one fusion into one FMA (a residual add after the output's scale), which rounds once where the
+    two operations round twice, and a pad between them would keep them apart in one bucket and not in another."""
+    out = w.shape[:-1]
+    live = x if rows is None or rows >= x.shape[0] else x[:rows]
+    y, row_scale, channel_scale = _product_parts(live, w)
+    if live is not x:
+        y = _pad_lead(y, x.shape[0])
+        row_scale = None if row_scale is None else _pad_lead(row_scale, x.shape[0])
+    if row_scale is not None:
+        y = y * row_scale
+    if channel_scale is not None:
+        y = y * channel_scale
     return y.reshape(*x.shape[:-1], *out).astype(out_dtype or x.dtype)
 
 
+def _pad_lead(a: jax.Array, size: int) -> jax.Array:
+    """a [n, ...] followed by zero rows up to `size`."""
+    return jnp.concatenate([a, jnp.zeros((size - a.shape[0], *a.shape[1:]), a.dtype)])
+
+
+def _product_parts(x: jax.Array, w: Any) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """x [..., in] @ w[*out, in].T as (fp32 [..., rows of w], a scale per row of x [..., 1] or None, a scale per
+    row of w [rows of w] or None): the product is the first times the others, left to the caller (`linear`)."""
+    n = w.shape[-1]
+    rows = math.prod(w.shape[:-1])
+    if not is_quantized(w):
+        y = jnp.einsum("...i,oi->...o", x, w.reshape(rows, n), preferred_element_type=jnp.float32,
+                       precision=precision(x.dtype))  # fmt: skip
+        return y, None, None
+    flat = reshape_out(w, rows)
+    if w.kind == W8A8:
+        return integer_product_parts(x, flat)
+    chunk = _chunk_rows(rows, n) if jax.default_backend() == "cpu" else rows
+    if chunk == rows and flat.group == n and flat.offset is None:  # per output channel: scale the product
+        y = jnp.einsum("...i,oi->...o", x, flat.values().astype(x.dtype), preferred_element_type=jnp.float32,
+                       precision=precision(x.dtype))  # fmt: skip
+        return y, None, flat.scale[:, 0]
+    if chunk == rows:
+        return _quantized_product(x, flat), None, None
+    parts = flat.map(lambda a: a.reshape(rows // chunk, chunk, a.shape[-1]))
+    y = jax.lax.map(lambda part: _quantized_product(x, part), parts)  # [chunks, ..., chunk]
+    return jnp.moveaxis(y, 0, -2).reshape(*x.shape[:-1], rows), None, None
+
+
 def _quantized_product(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
-    """x [..., in] @ w[out, in].T in fp32."""
+    """x [..., in] @ w[out, in].T in fp32, whole (the scale of an int8 row chunk included)."""
     if w.group == w.shape[-1] and w.offset is None:  # per output channel: scale the product
         y = jnp.einsum("...i,oi->...o", x, w.values().astype(x.dtype), preferred_element_type=jnp.float32,
                        precision=precision(x.dtype))  # fmt: skip
@@ -226,10 +255,13 @@ def integer_product(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
     One scale per output channel, not per group of inputs: then the whole input axis is one int32 dot and one
     rescale; a scale per group would need a dot (or a rescale of partial sums) per group. Integer sums are exact
     (|sum| <= in * 127^2, far below 2^31), and the rescale is elementwise, so a row's result does not depend on
-    the other rows nor on how XLA tiles the dot (tests/model/test_w8a8.py). In the engine on XLA:CPU, decode
-    buckets whose products run on padded rows (2, 4) agree bit for bit; an 8-row bucket's logprobs differ in the
-    last bits (below 1e-6; an open gap, measured in that test). Not the quantization's elementwise arithmetic on
-    fewer than 8 rows: quantizing on 8 rows always leaves the gap as it is.
+    the other rows nor on how XLA tiles the dot (tests/model/test_w8a8.py)."""
+    y, row_scale, channel_scale = integer_product_parts(x, w)
+    return y * row_scale * channel_scale
+
+
+def integer_product_parts(x: jax.Array, w: QuantizedMatrix) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`integer_product` as (int32 -> fp32 [..., out], row scale [..., 1], channel scale [out]).
 
     A single row is padded to two (a zero row, scale 1): XLA:CPU multiplies one int8 row by another kernel, 2-4x
     (layers) to 33x (logits) slower than two rows (docs/engine.md "W8A8"); the row's result is the same."""
@@ -240,8 +272,8 @@ def integer_product(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
         a = jnp.concatenate([a, jnp.zeros_like(a)])
     aq, ascale = quantize_rows(a)
     acc = jax.lax.dot_general(aq, w.q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
-    y = acc.astype(jnp.float32) * ascale * w.scale[:, 0]
-    return y[:m].reshape(*lead, w.q.shape[0])
+    y = acc[:m].astype(jnp.float32).reshape(*lead, w.q.shape[0])
+    return y, ascale[:m].reshape(*lead, 1), w.scale[:, 0]
 
 
 def _chunk_rows(rows: int, n: int) -> int:

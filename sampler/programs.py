@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from tpuserve.model.llama import KVCache, Llama, pad_rows, put_pages, take_pages
+from tpuserve.model.llama import KVCache, Llama, put_pages, take_pages
 from tpuserve.sampler.sampling import NEG_INF, processed_logits, sample, top_logprobs
 from tpuserve.sampler.state import DecodeState, SlotSampling
 
@@ -268,7 +268,7 @@ def decode_program(m: Llama, state: DecodeState, pool: Pool, table, paused, allo
         cache = KVCache(kv.k, kv.v, rows_table)
         hidden, cache = m(s.last[:, None], positions[:, None], cache, attend_len, live_rows=batch,
                           write=valid[:, None], decode_attention=cfg.decode_attention, mesh=cfg.mesh)  # fmt: skip
-        logits = pad_rows(m.logits(hidden[:batch, 0]), width)
+        logits = m.logits(hidden[:, 0], live_rows=batch)
         out = step_outputs(logits, s.sampling, positions + 1, cfg, masks)
         lengths = jnp.where(valid, s.lengths + 1, s.lengths)
         generated = jnp.where(valid, s.generated + 1, s.generated)

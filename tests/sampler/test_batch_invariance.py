@@ -5,10 +5,13 @@ sampling. Also: every bit of a 64-bit seed counts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from tpuserve.sampler.api import SlotParams
 
+from tests.conftest import ENGINE
 from tests.helpers import engine_config
 from tests.helpers import run_engine as run
 from tests.sampler.test_engine import PROMPTS
@@ -17,16 +20,7 @@ from tests.sampler.test_engine import PROMPTS
 @pytest.fixture(scope="module")
 def calls(engine):
     """(batch bucket, steps) of every decode call the shared engine makes while the test runs."""
-    seen: list[tuple[int, int]] = []
-    original = engine.buckets
-
-    def spy():
-        attend, batch, steps = original()
-        seen.append((batch, steps))
-        return attend, batch, steps
-
-    engine.buckets = spy
-    yield seen
+    yield _spy_buckets(engine)
     del engine.buckets
 
 
@@ -41,9 +35,67 @@ SEEDED = SlotParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=77)
 
 def test_bit_identical_alone_beside_7_and_beside_63(engine, embedded, calls):
     """A greedy and a seeded request (slots s, s+1) alone, beside 1 other, beside 7 others and beside 62 others."""
+    _alone_and_beside(engine, embedded.tokenizer, calls)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+def test_quantized_modes_bit_identical_alone_beside_7_beside_63_and_from_the_prefix_cache(mode):
+    """The same in the modes that scale products' outputs (int8 weight-only per channel; W8A8's integer products):
+    their rescale runs on every row after the products' padding, so XLA fuses it with the residual add alike in
+    every bucket (quant.linear's `rows`). And again from the prefix cache; W8A8 compiles nothing after warm-up."""
+    import jax
+    from tpuserve.model.loader import load_model
+    from tpuserve.sampler.engine import JaxEngine
+
+    model = load_model(quantization=mode)
+    long = model.tokenizer.encode(" ".join(PROMPTS * 2))
+    assert len(long) > 32  # prompts over 32 tokens share their full pages
+    engine = JaxEngine(model, dataclasses.replace(ENGINE, quantization=mode))
+    assert engine.quantization == mode
+    if mode == "w8a8":  # its target: no compilation after warm-up (int8's programs compile on first use)
+        engine.warm_up(prompt_logprobs=False)
+    seen = _spy_buckets(engine)
+    compiles: list[str] = []
+
+    def on_event(name: str, *args, **kwargs) -> None:
+        if "backend_compile" in name:
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        alone = _alone_and_beside(engine, model.tokenizer, seen)
+        first, _ = run(engine, [(0, long, GREEDY)])
+        hits = engine.prefix_cache_stats().hit_tokens
+        cached, _ = run(engine, [(0, long, GREEDY)])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert engine.prefix_cache_stats().hit_tokens > hits
+    assert compiles == [] or mode == "int8"
+    for a, b in zip(first[0], cached[0], strict=True):
+        assert np.array_equal(np.array(a), np.array(b))
+    print(f"\n{mode} greedy: {model.tokenizer.decode(alone[0][0])!r}")
+
+
+def _spy_buckets(engine) -> list[tuple[int, int]]:
+    """(batch bucket, steps) of every decode call `engine` makes from now on."""
+    seen: list[tuple[int, int]] = []
+    original = engine.buckets
+
+    def spy():
+        attend, batch, steps = original()
+        seen.append((batch, steps))
+        return attend, batch, steps
+
+    engine.buckets = spy
+    return seen
+
+
+def _alone_and_beside(engine, tok, calls: list[tuple[int, int]]) -> tuple:
+    """Runs the greedy and seeded requests alone and beside 1, 7 and 62 others; asserts each bit-identical to
+    alone; returns alone's outputs."""
     assert engine.batch_buckets == [2, 4, 8, 16, 32, 64]
     assert engine.call_steps == {2: 8, 4: 8, 8: 8, 16: 4, 32: 2, 64: 1}
-    tok = embedded.tokenizer
     ids = tok.encode(PROMPTS[0])
 
     def mine(first: int) -> list:
@@ -70,6 +122,7 @@ def test_bit_identical_alone_beside_7_and_beside_63(engine, embedded, calls):
             assert np.array_equal(np.array(other[1]), np.array(ref[1]))  # sampled-token logprobs, bit for bit
             assert np.array_equal(np.stack(other[2]), np.stack(ref[2]))  # top-20 ids
             assert np.array_equal(np.stack(other[3]), np.stack(ref[3]))  # top-20 logprobs
+    return alone
 
 
 def test_prompts_prefilled_together_match_each_alone(together_engine, embedded, monkeypatch):
