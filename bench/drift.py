@@ -3,7 +3,8 @@ logprobs from the exact default (`quantization: keep`, the GGUF's blocks: tpuser
 forced over the 257-token reference text of tests/model/test_gguf_reference.py (code, prose, CJK, emoji, HTML),
 every server scoring the same token ids:
 
-  w8a8      `tpuserve serve --quantization w8a8` (int8 weights per channel x int8 activations per row)
+  w8a8      `tpuserve serve --quantization w8a8` (int8 weights per channel x int8 activations per row, both
+            rotated on the input axis: docs/engine.md "W8A8")
   int8      `tpuserve serve --quantization int8` (int8 weights per channel, fp32 activations)
   llama.cpp llama-server on the same GGUF (its Q4_1 blocks times Q8_1-quantized activations)
 

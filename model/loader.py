@@ -4,8 +4,9 @@ With no path, the embedded default model (SmolLM2-135M-Instruct GGUF from `llm-s
 Quantization modes (`quantization`, see tpuserve.model.quant): "none" dequantizes/casts every weight to `dtype`;
 "keep" serves a GGUF file's quantized matrices from their blocks; "int8" quantizes the matrices to int8 per
 output channel (an int8 Orbax checkpoint, written by `tpuserve convert --quantization int8`, is already so);
-"w8a8" holds the same int8 matrices and multiplies them by int8 activations (quant.integer_product): any source,
-a GGUF's blocks dequantized then quantized per channel; never a default.
+"w8a8" holds int8 matrices per output channel, their input axis rotated (quant.quantize_w8a8), and multiplies them
+by int8 activations (quant.integer_product): any source, a GGUF's blocks dequantized then quantized so, an int8
+checkpoint's matrices dequantized and quantized again; never a default.
 None picks the default for the source: DEFAULT_GGUF_QUANTIZATION for a GGUF file, the checkpoint's own mode for
 an Orbax checkpoint, "none" otherwise."""
 
@@ -30,6 +31,7 @@ from tpuserve.model.quant import (
     is_quantized,
     map_fields,
     quantize_int8,
+    quantize_w8a8,
     to_planar,
     tree_nbytes,
 )
@@ -169,10 +171,9 @@ def load_model(
         if mode in INT8_MODES:
             params = {n: cast(n, np.asarray(a)) if n in INT8_PARAMS and not is_quantized(a) else a
                       for n, a in params.items()}  # fmt: skip
-        if mode == W8A8:  # an int8 checkpoint's matrices, multiplied in integers
-            params = {
-                n: dataclasses.replace(a, kind=W8A8) if is_quantized(a) else a for n, a in params.items()
-            }
+        if mode == W8A8:  # an int8 checkpoint's matrices, rotated and rounded again (quant.quantize_w8a8)
+            params = {n: cast(n, np.asarray(a.dequantize(jnp.float32))) if is_quantized(a) and a.kind != W8A8 else a
+                      for n, a in params.items()}  # fmt: skip
         model_id = manifest["model_id"]
     elif path.is_dir():
         from tpuserve.model.weights_hf import load_hf_weights
@@ -200,7 +201,7 @@ def cast_param(
     from tpuserve.model.sharding import field_sharding
 
     if mode in INT8_MODES and name in INT8_PARAMS and not is_quantized(arr):
-        arr = quantize_int8(arr, kind=mode)
+        arr = quantize_w8a8(arr) if mode == W8A8 else quantize_int8(arr)
     if is_quantized(arr):  # fields keep their integer / fp32 types; dequantized to `dtype` in the programs
         arr = dataclasses.replace(arr, dtype=dtype)
         if shardings:
