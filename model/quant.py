@@ -223,9 +223,7 @@ def _product_parts(x: jax.Array, w: Any) -> tuple[jax.Array, jax.Array | None, j
         return integer_product_parts(x, flat)
     chunk = _chunk_rows(rows, n) if jax.default_backend() == "cpu" else rows
     if chunk == rows and flat.group == n and flat.offset is None:  # per output channel: scale the product
-        y = jnp.einsum("...i,oi->...o", x, flat.values().astype(x.dtype), preferred_element_type=jnp.float32,
-                       precision=precision(x.dtype))  # fmt: skip
-        return y, None, flat.scale[:, 0]
+        return _unscaled_product(x, flat), None, flat.scale[:, 0]
     if chunk == rows:
         return _quantized_product(x, flat), None, None
     parts = flat.map(lambda a: a.reshape(rows // chunk, chunk, a.shape[-1]))
@@ -236,10 +234,14 @@ def _product_parts(x: jax.Array, w: Any) -> tuple[jax.Array, jax.Array | None, j
 def _quantized_product(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
     """x [..., in] @ w[out, in].T in fp32, whole (the scale of an int8 row chunk included)."""
     if w.group == w.shape[-1] and w.offset is None:  # per output channel: scale the product
-        y = jnp.einsum("...i,oi->...o", x, w.values().astype(x.dtype), preferred_element_type=jnp.float32,
-                       precision=precision(x.dtype))  # fmt: skip
-        return y * w.scale[:, 0]
+        return _unscaled_product(x, w) * w.scale[:, 0]
     return jnp.einsum("...i,oi->...o", x, w.dequantize(x.dtype), preferred_element_type=jnp.float32,
+                      precision=precision(x.dtype))  # fmt: skip
+
+
+def _unscaled_product(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
+    """x [..., in] @ the values of a per-channel matrix w [out, in], before its scale, in fp32."""
+    return jnp.einsum("...i,oi->...o", x, w.values().astype(x.dtype), preferred_element_type=jnp.float32,
                       precision=precision(x.dtype))  # fmt: skip
 
 
