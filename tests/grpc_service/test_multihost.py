@@ -267,6 +267,9 @@ def test_a_lost_follower_gives_503_and_the_leader_exits_1(tmp_path, fault):
     the group after --peer-timeout (10 s here), before JAX's own heartbeats would (SIGABRT)."""
     group = Group(tmp_path, processes=2, devices=2, peer_timeout=10.0)
     try:
+        # one request first compiles the programs the two below take: otherwise the first one's compile (39 s seen
+        # on a loaded machine) can hold the second's start until the first is done, and two never run together
+        group.complete(PROMPTS[0], max_tokens=2, logprobs=None)
         results: list[httpx.Response] = []
         body = {"model": group.model, "prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0}
         threads = [
