@@ -1,12 +1,14 @@
-"""Helpers the test packages share: polling, free ports, the test extras, driving an engine to the end."""
+"""Helpers the test packages share: polling, free ports, the test extras, driving an engine to the end, counting
+XLA compilations."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -97,3 +99,21 @@ def _append(acc: Outputs, token: TokenOut) -> None:
         acc, (token.token_id, token.logprob, token.top_ids, token.top_logprobs), strict=True
     ):
         values.append(v)
+
+
+@contextlib.contextmanager
+def compiles() -> Iterator[list[str]]:
+    """The XLA compilations (jax's backend_compile events) made while the block runs, listed as they happen."""
+    import jax  # here: the gateway tests import this module too
+
+    seen: list[str] = []
+
+    def on_event(name: str, *args, **kwargs) -> None:
+        if "backend_compile" in name:
+            seen.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)

@@ -17,7 +17,7 @@ from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 
 from tests.grpc_service.conftest import generate as _generate
 from tests.grpc_service.test_real_engine import chat, samples
-from tests.helpers import require_extra
+from tests.helpers import compiles, require_extra
 
 PERSON = {
     "type": "object",
@@ -110,20 +110,10 @@ def test_logprobs_are_the_raw_models_under_constraints(real_backend):
 def test_a_free_request_beside_constrained_ones_is_bit_identical(real_backend):
     """... and nothing is compiled for constrained requests (the mask is a fixed-shape input, the one-step call
     the same program with a traced step count)."""
-    import jax
 
-    compiles: list[str] = []
-
-    def on_event(name: str, *args, **kwargs) -> None:
-        if "backend_compile" in name:
-            compiles.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
+    with compiles() as compiled:
         _free_beside_constrained(real_backend)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_event)
-    assert compiles == []
+    assert compiled == []
 
 
 def _free_beside_constrained(real_backend) -> None:

@@ -36,7 +36,7 @@ from tpuserve.model.tokenizer import Tokenizer, load_tokenizer
 from tpuserve.sampler.engine import JaxEngine
 
 from tests.grpc_service.conftest import ServerThread
-from tests.helpers import engine_config, require_extra
+from tests.helpers import compiles, engine_config, require_extra
 from tests.model.test_gemma3 import GEMMA3_TEMPLATE
 
 torch = require_extra("torch")
@@ -309,7 +309,6 @@ def test_nothing_compiles_after_warm_up(family: Family) -> None:
     """The family's own code (windows chosen per layer, routed experts) lives inside the engine's programs, whose
     shapes are the buckets': after warm-up, prompts of every chunk plan, prompt logprobs, greedy and seeded
     decoding over every attention bucket compile nothing. A small engine, so the warm-up is short."""
-    import jax
     from tpuserve.sampler.api import SlotParams
 
     from tests.helpers import run_engine
@@ -317,20 +316,11 @@ def test_nothing_compiles_after_warm_up(family: Family) -> None:
     engine = JaxEngine(load_model(family.directory),
                        engine_config(slots=2, max_seq_len=128, prefill_chunk=32, min_prefill_bucket=32))  # fmt: skip
     engine.warm_up()
-    compiles: list[str] = []
-
-    def on_event(name: str, *args, **kwargs) -> None:
-        if "backend_compile" in name:
-            compiles.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
+    with compiles() as compiled:
         rng = np.random.default_rng(0)
         for length in (3, 31, 33, 90):
             ids = [int(t) for t in rng.integers(10, 40000, size=length)]
             requests = [(0, ids, SlotParams(max_tokens=128 - length - 1, temperature=0.0)),
                         (1, ids[::-1], SlotParams(max_tokens=6, temperature=1.0, seed=length))]  # fmt: skip
             run_engine(engine, requests, want_prompt_logprobs=True)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_event)
-    assert compiles == []
+    assert compiled == []

@@ -12,7 +12,7 @@ import pytest
 from tpuserve.sampler.api import SlotParams
 
 from tests.conftest import ENGINE
-from tests.helpers import engine_config
+from tests.helpers import compiles, engine_config
 from tests.helpers import run_engine as run
 from tests.sampler.test_engine import PROMPTS
 
@@ -44,7 +44,6 @@ def test_quantized_modes_bit_identical_alone_beside_7_beside_63_and_from_the_pre
     """The same in the modes that scale products' outputs (int8 weight-only per channel; W8A8's integer products):
     their rescale runs on every row after the products' padding, so XLA fuses it with the residual add alike in
     every bucket (quant.linear's `rows`). And again from the prefix cache; W8A8 compiles nothing after warm-up."""
-    import jax
     from tpuserve.model.loader import load_model
     from tpuserve.sampler.engine import JaxEngine
 
@@ -56,22 +55,13 @@ def test_quantized_modes_bit_identical_alone_beside_7_beside_63_and_from_the_pre
     if mode == "w8a8":  # its target: no compilation after warm-up (int8's programs compile on first use)
         engine.warm_up(prompt_logprobs=False)
     seen = _spy_buckets(engine)
-    compiles: list[str] = []
-
-    def on_event(name: str, *args, **kwargs) -> None:
-        if "backend_compile" in name:
-            compiles.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
+    with compiles() as compiled:
         alone = _alone_and_beside(engine, model.tokenizer, seen)
         first, _ = run(engine, [(0, long, GREEDY)])
         hits = engine.prefix_cache_stats().hit_tokens
         cached, _ = run(engine, [(0, long, GREEDY)])
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_event)
     assert engine.prefix_cache_stats().hit_tokens > hits
-    assert compiles == [] or mode == "int8"
+    assert compiled == [] or mode == "int8"
     for a, b in zip(first[0], cached[0], strict=True):
         assert np.array_equal(np.array(a), np.array(b))
     print(f"\n{mode} greedy: {model.tokenizer.decode(alone[0][0])!r}")
@@ -130,18 +120,10 @@ def test_prompts_prefilled_together_match_each_alone(together_engine, embedded, 
     prompts of <= 16 tokens 8 a program, of 17-32 tokens 4) give each request the tokens and logprobs it gets
     with its prompt prefilled alone, bit for bit: the first token (sampled from the prefill's logits) and the
     decoded ones (read from the prefix's KV). Greedy and seeded. Warm-up compiles their programs."""
-    import jax
 
     eng = together_engine
     # prompts over 32 tokens are prefilled alone (their pages may be shared)
     assert eng.together_shapes() == [(2, 16), (4, 16), (8, 16), (2, 32), (4, 32)]
-    compiles: list[str] = []
-
-    def on_event(name: str, *args, **kwargs) -> None:
-        if "backend_compile" in name:
-            compiles.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
     text = embedded.tokenizer.encode(" ".join(PROMPTS * 4))
     # 10 of size 16 (8 + 2 rows), 3 of size 32 (4 rows)
     lengths = [5, 9, 12, 14, 15, 16, 16, 11, 7, 13, 17, 24, 31]
@@ -154,13 +136,11 @@ def test_prompts_prefilled_together_match_each_alone(together_engine, embedded, 
         programs.append(tokens.shape)
         return original(params, pool, tokens, last, tables, attend_len=attend_len)
 
-    try:
+    with compiles() as compiled:
         alone, _ = run(eng, requests)
         monkeypatch.setattr(eng, "programs", eng.programs._replace(chunk_together=spy))
         together, _ = run(eng, requests, together=True)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_event)
-    assert compiles == []
+    assert compiled == []
     assert sorted(programs) == [(2, 16), (4, 32), (8, 16)]
     for slot in alone:
         for a, b in zip(alone[slot], together[slot], strict=True):
