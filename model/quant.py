@@ -220,7 +220,7 @@ def _product_parts(x: jax.Array, w: Any) -> tuple[jax.Array, jax.Array | None, j
         return y, None, None
     flat = reshape_out(w, rows)
     if w.kind == W8A8:
-        return integer_product_parts(x, flat)
+        return integer_product(x, flat)
     chunk = _chunk_rows(rows, n) if jax.default_backend() == "cpu" else rows
     if chunk == rows and flat.group == n and flat.offset is None:  # per output channel: scale the product
         return _unscaled_product(x, flat), None, flat.scale[:, 0]
@@ -257,24 +257,19 @@ def quantize_rows(a: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, amax * np.float32(1 / 127)
 
 
-def integer_product(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
-    """W8A8: x [..., in] (float) times a per-channel int8 matrix w [out, in] -> fp32 [..., out], as
-    int8 x int8 -> int32 (`quantize_rows`, then one `dot_general` contracting `in`), scaled back as
-    (int32 -> fp32) x row scale x channel scale. A `rotated` matrix holds W R: the activations are rotated first
-    (fp32, rotation.rotate), x R (W R)^T = x W^T, and both sides' int8 steps are far finer (model/rotation.py).
+def integer_product(x: jax.Array, w: QuantizedMatrix) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """W8A8: x [..., in] (float) times a per-channel int8 matrix w [out, in], as int8 x int8 -> int32
+    (`quantize_rows`, then one `dot_general` contracting `in`), returned as its parts: (int32 -> fp32 [..., out],
+    row scale [..., 1], channel scale [out]), whose product `linear` takes after any padding of the rows. A
+    `rotated` matrix holds W R: the activations are rotated first (fp32, rotation.rotate), x R (W R)^T = x W^T, and
+    both sides' int8 steps are far finer (model/rotation.py).
 
     One scale per output channel, not per group of inputs: then the whole input axis is one int32 dot and one
     rescale; a scale per group would need a dot (or a rescale of partial sums) per group, 2-5x slower than fp32 on
     XLA:CPU (docs/engine.md "W8A8"); the rotation buys more accuracy than groups of 32 would, at a few percent of
     the product's cost. Integer sums are exact (|sum| <= in * 127^2, far below 2^31), and the rotation and the
     rescale act on each row alone, so a row's result does not depend on the other rows nor on how XLA tiles the
-    dot (tests/model/test_w8a8.py)."""
-    y, row_scale, channel_scale = integer_product_parts(x, w)
-    return y * row_scale * channel_scale
-
-
-def integer_product_parts(x: jax.Array, w: QuantizedMatrix) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`integer_product` as (int32 -> fp32 [..., out], row scale [..., 1], channel scale [out]).
+    dot (tests/model/test_w8a8.py).
 
     A single row is padded to two (a zero row, scale 1) before the rotation: XLA:CPU multiplies one row by another
     kernel, 2-4x (layers) to 33x (logits) slower than two rows (docs/engine.md "W8A8"); the row's result is the
