@@ -63,6 +63,34 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """The figures the tests measured (`figure`), in one section after the results: fidelity against
+    transformers, drift of the quantized modes, load and multihost figures. pytest captures what a passing test
+    prints, so a figure printed there would not show."""
+    lines = [
+        value
+        for outcome in ("passed", "failed")
+        for report in terminalreporter.stats.get(outcome, [])
+        if report.when == "call"
+        for name, value in report.user_properties
+        if name == "figure"
+    ]
+    if lines:
+        terminalreporter.section("figures measured by the tests")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def figure(request: pytest.FixtureRequest):
+    """figure(line): a measured figure this test reports; `make test` prints it in its summary (above)."""
+
+    def record(line: str) -> None:
+        request.node.user_properties.append(("figure", line))
+
+    return record
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         module = pathlib.Path(str(item.fspath)).resolve().relative_to(REPO).as_posix()

@@ -204,7 +204,7 @@ def reference(group: Group) -> list[dict]:
         group.stop()
 
 
-def test_two_processes_serve_like_one_and_stop_together_on_sigterm(tmp_path, request):
+def test_two_processes_serve_like_one_and_stop_together_on_sigterm(tmp_path, request, figure):
     """From an Orbax checkpoint (`tpuserve convert`, tests/conftest.py), which each process restores with the target
     sharding: only its own shards. The reference reads the GGUF's blocks, which dequantize bit-identically
     (test_quant.py). The reference server starts first and answers while the checkpoint is written (unless an
@@ -228,7 +228,9 @@ def test_two_processes_serve_like_one_and_stop_together_on_sigterm(tmp_path, req
                 common = set(a) & set(b)
                 assert len(common) >= 4  # a near-tie at the 5th place may swap
                 worst = max(worst, max(abs(a[t] - b[t]) for t in common))
-        print(f"\n2 processes x 2 devices vs 1 process x 4: greedy tokens equal, max |Δ logprob| {worst:.1e}")
+        figure(
+            f"multihost: 2 processes x 2 devices vs 1 process x 4: greedy tokens equal, max |Δ logprob| {worst:.1e}"
+        )
         assert worst <= TP_TOL
         # a weight update is loaded and swapped on every process (the same checkpoint: the same answers after)
         r = httpx.post(f"{group.base}/v1/admin/update_weights", timeout=300,
@@ -262,7 +264,7 @@ def test_two_processes_serve_like_one_and_stop_together_on_sigterm(tmp_path, req
 
 
 @pytest.mark.parametrize("fault", ["killed", "stopped"])
-def test_a_lost_follower_gives_503_and_the_leader_exits_1(tmp_path, fault):
+def test_a_lost_follower_gives_503_and_the_leader_exits_1(tmp_path, fault, figure):
     """killed (SIGKILL): the collectives usually fail at once. stopped (SIGSTOP): they wait, and the watchdog ends
     the group after --peer-timeout (10 s here), before JAX's own heartbeats would (SIGABRT)."""
     group = Group(tmp_path, processes=2, devices=2, peer_timeout=10.0)
@@ -296,7 +298,7 @@ def test_a_lost_follower_gives_503_and_the_leader_exits_1(tmp_path, fault):
         with contextlib.suppress(subprocess.TimeoutExpired):
             code = group.leader.wait(60)
         took = time.monotonic() - started
-        print(f"\nfollower {fault}: 503s, the leader exited {code} after {took:.1f} s")
+        figure(f"multihost: follower {fault}: 503s, the leader exited {code} after {took:.1f} s")
         assert code == 1, group.log_tail()
         # killed: the collective in flight usually fails at once (exit after ~2.5 s, the grace included); in about
         # one full-suite run in four here it blocked instead and the watchdog ended the group after --peer-timeout

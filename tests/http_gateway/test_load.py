@@ -100,7 +100,7 @@ def gateway_url(real_backend):
     assert proc.wait(30) == 0
 
 
-def test_64_streaming_clients_for_15_s_no_errors_and_every_text_complete(real_backend, gateway_url):
+def test_64_streaming_clients_for_15_s_no_errors_and_every_text_complete(real_backend, gateway_url, figure):
     model = real_backend.server.servicer.model_id
     orch = real_backend.orchestrator
 
@@ -129,7 +129,7 @@ def test_64_streaming_clients_for_15_s_no_errors_and_every_text_complete(real_ba
 
     expected, done, errors = asyncio.run(main())
     tokens = sum(o.completion_tokens for _, o in done)
-    print(
+    figure(
         f"load: {CLIENTS} clients x {SECONDS:.0f} s: {len(done)} requests, {tokens} tokens, {len(errors)} errors"
     )
     assert not errors, f"{len(errors)} errors, e.g. {errors[:3]}"

@@ -122,7 +122,7 @@ def altered(loaded, **changes):
     return dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, **changes))
 
 
-def test_safetensors_and_orbax_match_transformers(gemma3, tmp_path, capsys):
+def test_safetensors_and_orbax_match_transformers(gemma3, tmp_path, figure):
     name, hf_dir, model = gemma3
     ref = reference_logits(model, IDS)
     loaded = load_model(hf_dir, with_tokenizer=False)
@@ -148,21 +148,19 @@ def test_safetensors_and_orbax_match_transformers(gemma3, tmp_path, capsys):
     restored = load_model(tmp_path / "ckpt", with_tokenizer=False)
     assert restored.config == cfg
     diffs["orbax"] = assert_matches(restored, ref)
-    with capsys.disabled():
-        print(f"\ngemma3 {name}: max |d logit|, |d logprob| vs transformers (fp32, 40 tokens): "
-              + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))  # fmt: skip
+    figure(f"gemma3 {name}: max |d logit|, |d logprob| vs transformers (fp32, 40 tokens): "
+          + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))  # fmt: skip
 
 
 @pytest.mark.parametrize("gemma3", ["pattern6"], indirect=True)  # what llama.cpp's gemma3 metadata can say
-def test_gguf_in_llama_cpp_conventions_matches_transformers(gemma3, tmp_path, capsys):
+def test_gguf_in_llama_cpp_conventions_matches_transformers(gemma3, tmp_path, figure):
     _, hf_dir, model = gemma3
     write_gguf(model, tmp_path / "model.gguf")
     from_gguf = load_model(tmp_path / "model.gguf", with_tokenizer=False)
     # the same config, but for the epsilon that GGUF keeps as a float32
     assert dataclasses.replace(from_gguf.config, rms_norm_eps=1e-6) == config_from_hf(hf_dir)
     diff = assert_matches(from_gguf, reference_logits(model, IDS))
-    with capsys.disabled():
-        print(f"\ngemma3 pattern6 from GGUF: max |d logit|, |d logprob| vs transformers: {diff:.1e}")
+    figure(f"gemma3 pattern6 from GGUF: max |d logit|, |d logprob| vs transformers: {diff:.1e}")
 
 
 def test_a_config_json_of_transformers_4_reads_the_same(gemma3, tmp_path):
@@ -182,7 +180,7 @@ def test_a_config_json_of_transformers_4_reads_the_same(gemma3, tmp_path):
 
 
 @pytest.mark.parametrize("gemma3", ["alternating"], indirect=True)  # both layer kinds every other layer
-def test_greedy_continuations_through_the_engine_equal_transformers(gemma3, tmp_path, capsys):
+def test_greedy_continuations_through_the_engine_equal_transformers(gemma3, tmp_path, figure):
     """16 greedy tokens after each of two prompts (decoded side by side; the first ends past two windows), and
     each token's logprob, equal to transformers' greedy search and logprobs: from safetensors and after the Orbax
     round trip. int8 weights load and serve the same first tokens."""
@@ -214,12 +212,11 @@ def test_greedy_continuations_through_the_engine_equal_transformers(gemma3, tmp_
     drift = np.abs(log_softmax(ours) - log_softmax(ref)).max()
     assert np.isfinite(ours).all() and drift < 0.05
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.9
-    with capsys.disabled():
-        print(f"\ngemma3 int8: max |dlogprob| vs transformers' fp32 {drift:.2e} (40 tokens x 384 vocab)")
+    figure(f"gemma3 int8: max |dlogprob| vs transformers' fp32 {drift:.2e} (40 tokens x 384 vocab)")
 
 
 @pytest.mark.parametrize("gemma3", ["alternating"], indirect=True)
-def test_a_2x2_mesh_serves_what_one_device_does(gemma3, capsys):
+def test_a_2x2_mesh_serves_what_one_device_does(gemma3, figure):
     """Tensor parallel on 4 fake CPU devices (tests/conftest.py): the heads, KV heads and MLP split over the
     model axis; the same greedy tokens as one device, logprobs within the mesh's bound."""
     assert len(jax.devices()) >= 4, "tests/conftest.py sets --xla_force_host_platform_device_count=4"
@@ -236,8 +233,7 @@ def test_a_2x2_mesh_serves_what_one_device_does(gemma3, capsys):
     assert tp[0][0] == one[0][0]
     diff = np.abs(np.asarray(tp[0][1]) - np.asarray(one[0][1])).max()
     assert diff < TP_BOUND
-    with capsys.disabled():
-        print(f"\ngemma3 on a 2x2 mesh: max |dlogprob| vs one device {diff:.1e} (8 greedy tokens)")
+    figure(f"gemma3 on a 2x2 mesh: max |dlogprob| vs one device {diff:.1e} (8 greedy tokens)")
 
 
 # ---- the chat template -----------------------------------------------------------------------------------------

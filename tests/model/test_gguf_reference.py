@@ -25,7 +25,7 @@ def teacher_forced(model_loaded, ids: list[int]) -> np.ndarray:
     return np.asarray(jax.nn.log_softmax(m.logits(hidden[0]), axis=-1))
 
 
-def test_embedded_logprobs_match_transformers(embedded, hf_reference):
+def test_embedded_logprobs_match_transformers(embedded, hf_reference, figure):
     torch = require_extra("torch")
     hf_model, hf_tok = hf_reference
     ids = embedded.tokenizer.encode(TEXT)
@@ -35,7 +35,9 @@ def test_embedded_logprobs_match_transformers(embedded, hf_reference):
         ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1).numpy()
     ours = teacher_forced(embedded, ids)
     diff = np.abs(ours - ref).max()
-    print(f"max |logprob diff| over {len(ids)} positions x {ref.shape[1]} vocab: {diff:.2e}")
+    figure(
+        f"embedded GGUF vs transformers: max |logprob diff| over {len(ids)} positions x {ref.shape[1]} vocab: {diff:.2e}"
+    )
     assert diff < 2e-4
     assert (np.argsort(-ours, -1)[:, :5] == np.argsort(-ref, -1)[:, :5]).all()
 

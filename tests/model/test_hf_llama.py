@@ -104,7 +104,7 @@ def test_logits_match_transformers_from_safetensors_and_orbax(hf_model_dir, tmp_
     assert np.abs(our_logits(restored, ids) - ref).max() < 1e-4
 
 
-def test_int8_at_load_and_from_convert(hf_model_dir, tmp_path, capsys):
+def test_int8_at_load_and_from_convert(hf_model_dir, tmp_path, figure):
     """int8 weight-only per channel on a safetensors model: quantized at load, or written to Orbax by `convert
     --quantization int8` (the same weights); its drift from the unquantized model is measured (docs/engine.md). `keep`
     has no blocks to keep here and is refused, naming the mode and the tensors' type."""
@@ -126,10 +126,7 @@ def test_int8_at_load_and_from_convert(hf_model_dir, tmp_path, capsys):
     np.testing.assert_array_equal(our_logits(from_fp32, ids), got)
     ref = np.asarray(jax.nn.log_softmax(our_logits(dense, ids), -1))
     drift = np.abs(np.asarray(jax.nn.log_softmax(got, -1)) - ref).max()
-    with capsys.disabled():
-        print(
-            f"\nint8 {name}: max |dlogprob| vs unquantized {drift:.2e} (40 tokens x {BASE['vocab_size']} vocab)"
-        )
+    figure(f"int8 {name}: max |dlogprob| vs unquantized {drift:.2e} (40 tokens x {BASE['vocab_size']} vocab)")
     assert 0 < drift < 0.05
     with pytest.raises(
         ModelLoadError, match=r"quantization 'keep' serves a GGUF file's quantized blocks; .*F32"

@@ -210,7 +210,7 @@ def embedded_dense():
     return load_model(quantization="none")
 
 
-def test_keep_embedded_logprobs_match_transformers(embedded, embedded_dense, hf_reference) -> None:
+def test_keep_embedded_logprobs_match_transformers(embedded, embedded_dense, hf_reference, figure) -> None:
     """The GGUF is the model: its blocks served as they are (the default for a GGUF) give transformers' logprobs on
     the same file, bit-identical to the model dequantized at load, in 0.3x the bytes."""
     embedded_keep = embedded
@@ -226,14 +226,14 @@ def test_keep_embedded_logprobs_match_transformers(embedded, embedded_dense, hf_
     diff = np.abs(ours - ref).max()
     dense_diff = np.abs(ours - teacher_forced(embedded_dense, ids)).max()
     ratio = embedded_keep.weight_bytes / embedded_dense.weight_bytes
-    print(f"keep: max |logprob diff| vs transformers {diff:.2e}, vs dequantized {dense_diff:.2e}; "
+    figure(f"keep: max |logprob diff| vs transformers {diff:.2e}, vs dequantized {dense_diff:.2e}; "
           f"weights {embedded_keep.weight_bytes / 2**20:.1f} MiB = {ratio:.3f}x fp32")  # fmt: skip
     assert diff < 2e-4
     assert dense_diff < 1e-5
     assert ratio <= 0.3
 
 
-def test_keep_programs_hold_no_fp32_copy_of_the_weights(embedded) -> None:
+def test_keep_programs_hold_no_fp32_copy_of_the_weights(embedded, figure) -> None:
     """Dequantization happens inside the program, a layer (and the tied embedding) at a time: the compiled
     decode step's scratch memory is far below the weights' fp32 size."""
     from flax import nnx
@@ -258,11 +258,11 @@ def test_keep_programs_hold_no_fp32_copy_of_the_weights(embedded) -> None:
         int(np.prod(s.shape)) * 4 for s in jax.tree.leaves(embedded_keep.params, is_leaf=is_quantized)
     )
     temp = compiled.memory_analysis().temp_size_in_bytes
-    print(f"decode step scratch {temp / 2**20:.1f} MiB vs fp32 weights {fp32_bytes / 2**20:.1f} MiB")
+    figure(f"keep: decode step scratch {temp / 2**20:.1f} MiB vs fp32 weights {fp32_bytes / 2**20:.1f} MiB")
     assert temp < 0.05 * fp32_bytes  # measured 13.6 of 513 MiB (the tied embedding in 9 MiB chunks)
 
 
-def test_int8_convert_embedded_drift(embedded_dense, tmp_path: pathlib.Path) -> None:
+def test_int8_convert_embedded_drift(embedded_dense, tmp_path: pathlib.Path, figure) -> None:
     """`tpuserve convert --quantization int8` on the embedded model: an Orbax checkpoint of int8 matrices that
     loads as int8 (0.25x fp32 bytes) and whose logprobs drift from the unquantized model's by a measured amount."""
     from tpuserve.cli.main import main as cli_main
@@ -277,7 +277,7 @@ def test_int8_convert_embedded_drift(embedded_dense, tmp_path: pathlib.Path) -> 
     chosen = np.arange(len(ids) - 1), np.asarray(ids[1:])
     tf = np.abs(got[:-1][chosen] - ref[:-1][chosen])
     kl = (np.exp(ref) * (ref - got)).sum(-1)
-    print(
+    figure(
         f"int8 (embedded, {len(ids)} tokens): teacher-forced |dlogprob| mean {tf.mean():.3f} max {tf.max():.3f}; "
         f"KL mean {kl.mean():.4f} max {kl.max():.4f}; top-1 agreement {(ref.argmax(-1) == got.argmax(-1)).mean():.3f}"
     )

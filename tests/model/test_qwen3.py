@@ -95,7 +95,7 @@ def write_gguf(model, path: pathlib.Path) -> None:
 assert_matches = functools.partial(fidelity.assert_matches, ids=IDS)
 
 
-def test_safetensors_gguf_and_orbax_match_transformers(qwen3, tmp_path, capsys):
+def test_safetensors_gguf_and_orbax_match_transformers(qwen3, tmp_path, figure):
     name, hf_dir, gguf_path, model = qwen3
     ref = reference_logits(model, IDS)
     loaded = load_model(hf_dir, with_tokenizer=False)
@@ -124,9 +124,8 @@ def test_safetensors_gguf_and_orbax_match_transformers(qwen3, tmp_path, capsys):
     restored = load_model(tmp_path / "ckpt", with_tokenizer=False)
     assert restored.config == cfg
     diffs["orbax"] = assert_matches(restored, ref)
-    with capsys.disabled():
-        print(f"\nqwen3 {name}: max |d logit|, |d logprob| vs transformers (fp32, 40 tokens): "
-              + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))  # fmt: skip
+    figure(f"qwen3 {name}: max |d logit|, |d logprob| vs transformers (fp32, 40 tokens): "
+          + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))  # fmt: skip
 
 
 @pytest.mark.parametrize("qwen3", ["untied"], indirect=True)  # Qwen3's own shape (no biases): the other's

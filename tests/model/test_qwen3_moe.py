@@ -137,7 +137,7 @@ def write_fused(model, hf_dir: pathlib.Path, out: pathlib.Path) -> None:
 assert_matches = functools.partial(fidelity.assert_matches, ids=IDS)
 
 
-def test_safetensors_fused_gguf_and_orbax_match_transformers(qwen3_moe, tmp_path, capsys):
+def test_safetensors_fused_gguf_and_orbax_match_transformers(qwen3_moe, tmp_path, figure):
     name, hf_dir, gguf_path, model = qwen3_moe
     ref = reference_logits(model, IDS)
     loaded = load_model(hf_dir, with_tokenizer=False)
@@ -178,9 +178,8 @@ def test_safetensors_fused_gguf_and_orbax_match_transformers(qwen3_moe, tmp_path
     restored = load_model(tmp_path / "ckpt", with_tokenizer=False)
     assert restored.config == cfg
     diffs["orbax"] = assert_matches(restored, ref)
-    with capsys.disabled():
-        print(f"\nqwen3_moe {name}: max |d logit|, |d logprob| vs transformers (fp32, 40 tokens): "
-              + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))  # fmt: skip
+    figure(f"qwen3_moe {name}: max |d logit|, |d logprob| vs transformers (fp32, 40 tokens): "
+          + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))  # fmt: skip
 
 
 def test_routing_picks_the_experts_transformers_picks(qwen3_moe):
@@ -241,7 +240,7 @@ def test_greedy_continuations_through_the_engine_equal_transformers(qwen3_moe):
 
 
 @pytest.mark.parametrize("qwen3_moe", ["norm-untied"], indirect=True)
-def test_int8_experts_load_run_and_round_trip(qwen3_moe, tmp_path, capsys):
+def test_int8_experts_load_run_and_round_trip(qwen3_moe, tmp_path, figure):
     """`--quantization int8` quantizes each expert per output channel ([L, E, out, 1] scales; the router stays
     float); quantized at load and restored from `convert --quantization int8`, the logits are the same, near the
     fp32 model's."""
@@ -258,8 +257,7 @@ def test_int8_experts_load_run_and_round_trip(qwen3_moe, tmp_path, capsys):
     np.testing.assert_array_equal(our_logits(restored, IDS), ours)
     drift = np.abs(log_softmax(ours) - log_softmax(reference_logits(model, IDS))).max()
     assert drift < 5e-2
-    with capsys.disabled():
-        print(f"\nqwen3_moe int8: max |d logprob| vs transformers fp32 {drift:.1e}")
+    figure(f"qwen3_moe int8: max |d logprob| vs transformers fp32 {drift:.1e}")
 
 
 @pytest.mark.parametrize("qwen3_moe", ["norm-untied"], indirect=True)

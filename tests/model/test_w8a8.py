@@ -160,7 +160,7 @@ def w8a8_model():
 
 
 @pytest.mark.slow
-def test_embedded_drift_from_the_exact_model(embedded, w8a8_model) -> None:
+def test_embedded_drift_from_the_exact_model(embedded, w8a8_model, figure) -> None:
     """Teacher-forced over the 257-token reference text, against the exact default (`keep`): the figures are
     printed and stated in docs/engine.md "W8A8"; the bounds are about 2x what was measured."""
     assert all(p.kind == W8A8 and p.rotated for p in w8a8_model.params.values() if is_quantized(p))
@@ -173,7 +173,7 @@ def test_embedded_drift_from_the_exact_model(embedded, w8a8_model) -> None:
     tf = np.abs(got[:-1][chosen] - ref[:-1][chosen])
     kl = (np.exp(ref) * (ref - got)).sum(-1)
     top1 = (ref.argmax(-1) == got.argmax(-1)).mean()
-    print(f"\nw8a8 (embedded, {len(ids)} tokens) vs keep: teacher-forced |dlogprob| mean {tf.mean():.4f} max "
+    figure(f"w8a8 (embedded, {len(ids)} tokens) vs keep: teacher-forced |dlogprob| mean {tf.mean():.4f} max "
           f"{tf.max():.3f}; KL mean {kl.mean():.4f} max {kl.max():.3f}; top-1 agreement {top1:.3f}")  # fmt: skip
     # measured: 0.082, 0.518; 0.0066, 0.072; 0.926 (unrotated per-channel int8 both sides: 0.254, 1.81; 0.061,
     # 0.458; 0.891; llama.cpp's own mean |d logprob|: 0.063)
