@@ -25,7 +25,7 @@ from tpuserve.proto.tpuserve.v1 import tpuserve_pb2 as pb
 from tpuserve.sampler.engine import JaxEngine
 
 from tests.grpc_service.conftest import ServerThread, generate
-from tests.helpers import engine_config, require_extra
+from tests.helpers import compiles, engine_config, require_extra
 from tests.http_gateway.gateway_harness import GatewayServer
 
 ADMIN_KEY = "admin-test-key"
@@ -94,26 +94,12 @@ def _update(served, path, version: str, abort: bool = False) -> pb.UpdateWeights
     return served.stub.UpdateWeights(request, metadata=AUTH, timeout=300)
 
 
-class Compiles:
-    def __enter__(self):
-        self.names: list[str] = []
-        jax.monitoring.register_event_duration_secs_listener(self._on)
-        return self
-
-    def _on(self, name: str, *args, **kwargs) -> None:
-        if "backend_compile" in name:
-            self.names.append(name)
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._on)
-
-
 def test_update_changes_answers_and_updating_back_gives_them_again_bit_for_bit(served, checkpoints):
     base, perturbed, _, _ = checkpoints
     before, version = _answer(generate(served.stub, **_request()))
     seeded_before, _ = _answer(generate(served.stub, **_request(seed=3)))
     assert version == "base" and served.stub.GetModelInfo(pb.GetModelInfoRequest()).weight_version == "base"
-    with Compiles() as compiles:
+    with compiles() as compiled:
         answer = _update(served, perturbed, "step-1")
         assert answer.success and answer.weight_version == "step-1" and answer.num_aborted == 0, answer
         after, version = _answer(generate(served.stub, **_request()))
@@ -125,7 +111,7 @@ def test_update_changes_answers_and_updating_back_gives_them_again_bit_for_bit(s
         assert _update(served, base, "base-again").success
         again, version = _answer(generate(served.stub, **_request()))
         seeded_again, _ = _answer(generate(served.stub, **_request(seed=3)))
-    assert compiles.names == []
+    assert compiled == []
     assert version == "base-again"
     assert again == before and seeded_again == seeded_before
 

@@ -149,7 +149,7 @@ def test_safetensors_and_orbax_match_transformers(gemma3, tmp_path, figure):
     assert restored.config == cfg
     diffs["orbax"] = assert_matches(restored, ref)
     figure(f"gemma3 {name}: max |d logit|, |d logprob| vs transformers (fp32, 40 tokens): "
-          + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))  # fmt: skip
+           + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))  # fmt: skip
 
 
 @pytest.mark.parametrize("gemma3", ["pattern6"], indirect=True)  # what llama.cpp's gemma3 metadata can say

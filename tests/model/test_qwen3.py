@@ -125,7 +125,7 @@ def test_safetensors_gguf_and_orbax_match_transformers(qwen3, tmp_path, figure):
     assert restored.config == cfg
     diffs["orbax"] = assert_matches(restored, ref)
     figure(f"qwen3 {name}: max |d logit|, |d logprob| vs transformers (fp32, 40 tokens): "
-          + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))  # fmt: skip
+           + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))  # fmt: skip
 
 
 @pytest.mark.parametrize("qwen3", ["untied"], indirect=True)  # Qwen3's own shape (no biases): the other's

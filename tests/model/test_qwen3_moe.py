@@ -179,7 +179,7 @@ def test_safetensors_fused_gguf_and_orbax_match_transformers(qwen3_moe, tmp_path
     assert restored.config == cfg
     diffs["orbax"] = assert_matches(restored, ref)
     figure(f"qwen3_moe {name}: max |d logit|, |d logprob| vs transformers (fp32, 40 tokens): "
-          + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))  # fmt: skip
+           + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))  # fmt: skip
 
 
 def test_routing_picks_the_experts_transformers_picks(qwen3_moe):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from tpuserve.sampler.api import SlotParams
 
-from tests.helpers import engine_config, require_extra, run_engine
+from tests.helpers import compiles, engine_config, require_extra, run_engine
 
 PROMPTS = [
     "The capital of France is",
@@ -121,14 +121,7 @@ def test_seeded_sampling_is_reproducible_in_any_slot(engine, embedded):
 def test_no_compilation_after_warm_up(engine, embedded):
     import jax
 
-    compiles = []
-
-    def on_event(name: str, *args, **kwargs) -> None:
-        if "backend_compile" in name:
-            compiles.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
+    with compiles() as compiled:
         tok = embedded.tokenizer
         mixed = [
             (1, tok.encode("short"), SlotParams(max_tokens=3, temperature=0.0)),
@@ -141,11 +134,9 @@ def test_no_compilation_after_warm_up(engine, embedded):
         run_engine(engine, mixed[2:], want_prompt_logprobs=True)  # prefix-cache hits: load, cached logprobs
         run_engine(engine, mixed[2:])
         assert engine.prefix_cache_stats().hit_tokens > hits
-        assert compiles == []
+        assert compiled == []
         jax.jit(lambda x: x * 3)(jax.numpy.ones(7))  # the listener does see a compilation
-        assert compiles
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_event)
+        assert compiled
 
 
 def test_layer_loop_is_scanned_on_cpu_and_unrolled_on_accelerators(embedded, monkeypatch):
